@@ -1,0 +1,320 @@
+"""What every oslo model class has: parallel construction, loading, saving, RNG and mpu plumbing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils.hub import convert_file_size_to_int
+
+from oslo import checkpoint as ckpt
+from oslo.parallel.clip import clip_grad_norm_
+from oslo.parallel.context import ParallelContext, validate_parallel_size
+from oslo.parallel.comm import run_on_all_ranks
+from oslo.parallel.plan import ShardSpec, parameter_specs
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_dtype(dtype, torch_dtype) -> torch.dtype | str | None:
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(
+            f"got dtype={dtype!r} and torch_dtype={torch_dtype!r}; torch_dtype is the older name of dtype, "
+            "pass only one of them."
+        )
+    dtype = dtype if dtype is not None else torch_dtype
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r} is not a torch dtype; pass e.g. dtype=torch.float16 or dtype='auto'.")
+
+
+def _validate_pipeline_size(pipeline_parallel_size: int) -> int:
+    pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
+    if pp > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pp} is not supported yet (pipeline parallelism is the next oslo "
+            "capability); use pipeline_parallel_size=1 and tensor or data parallelism for now."
+        )
+    return pp
+
+
+class OsloPreTrainedModel(PreTrainedModel):
+    """Base of oslo's model classes: a transformers ``PreTrainedModel`` that knows its parallel layout.
+
+    Construct with :meth:`from_pretrained_with_parallel` or :meth:`from_config_with_parallel`; direct
+    construction ``Model(config)`` builds a single-rank model like transformers does.
+    """
+
+    def __init__(self, config: PretrainedConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config)
+        self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
+
+    # ---- parallel plumbing -------------------------------------------------------------------
+    @property
+    def mpu(self) -> ParallelContext:
+        """The Megatron/DeepSpeed-style model-parallel unit: ranks, sizes and groups."""
+        return self.parallel_context
+
+    def __call__(self, *args, **kwargs):
+        # Replicated dropout and anything else drawing from the default generator stays in step
+        # across tensor-parallel ranks, whatever the user did with the global RNG.
+        with self.parallel_context.rng.replicated():
+            return super().__call__(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
+        the same tokens."""
+        with self.parallel_context.rng.replicated():
+            return super().generate(*args, **kwargs)
+
+    def gpu_modules(self) -> nn.Module:
+        """The module holding this rank's parameters, to wrap in ``DistributedDataParallel``."""
+        return self
+
+    def gpu_parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters, for the optimizer."""
+        return self.parameters()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the norm of the whole (unsplit) model; see :func:`oslo.parallel.clip_grad_norm_`."""
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    @classmethod
+    def _validate_parallel_config(cls, config: PretrainedConfig, tensor_parallel_size: int) -> None:
+        """Raise if ``config`` cannot be split ``tensor_parallel_size`` ways (architectures override)."""
+
+    # ---- initialization ----------------------------------------------------------------------
+    def _init_std(self, module_name: str) -> float:
+        return self.config.initializer_range
+
+    def _init_rule(self, module_name: str, module: nn.Module, param_name: str) -> tuple[str, float]:
+        """How a parameter is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``."""
+        if isinstance(module, nn.LayerNorm) or "LayerNorm" in type(module).__name__:
+            return ("ones", 0.0) if param_name == "weight" else ("zeros", 0.0)
+        if param_name == "bias":
+            return ("zeros", 0.0)
+        return ("normal", self._init_std(module_name))
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # Direct construction (``Model(config)``): initialize the local shards in place.
+        names = {id(m): n for n, m in self.named_modules()}
+        module_name = names.get(id(module), "")
+        for param_name, param in module.named_parameters(recurse=False):
+            kind, std = self._init_rule(module_name, module, param_name)
+            if kind == "normal":
+                param.normal_(0.0, std)
+            elif kind == "ones":
+                param.fill_(1.0)
+            else:
+                param.zero_()
+
+    def _seeded_global_init(self, name: str, global_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The full initial value of parameter ``name``: a function of (seed, name) only, so the merged
+        weights are the same at every tensor-parallel size."""
+        module_name, _, param_name = name.rpartition(".")
+        kind, std = self._init_rule(module_name, self.get_submodule(module_name), param_name)
+        if kind == "ones":
+            return torch.ones(global_shape)
+        if kind == "zeros":
+            return torch.zeros(global_shape)
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        return torch.empty(global_shape).normal_(0.0, std, generator=generator)
+
+    def _seeded_local_init(self, name: str, spec: ShardSpec | None, global_shape: tuple[int, ...]) -> torch.Tensor:
+        full = self._seeded_global_init(name, global_shape, self.parallel_context.seed)
+        if spec is None:
+            return full
+        return spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def _build(cls, config: PretrainedConfig, context: ParallelContext, dtype: torch.dtype,
+               attn_implementation: str | None):
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = cls(config, parallel_context=context)
+        # Only this rank's shards are ever allocated. Leaving meta creates new parameter objects,
+        # which unties shared weights: tie them again.
+        model = model.to(dtype).to_empty(device=context.device)
+        model.tie_weights()
+        return model
+
+    @classmethod
+    def from_config_with_parallel(
+        cls,
+        config: PretrainedConfig,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        micro_batch_size: int = 1,
+        resize_token_embeddings: int | None = None,
+        seed: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None,
+        parallel_context: ParallelContext | None = None,
+    ):
+        """A randomly initialized model, split across ranks.
+
+        The same ``seed`` gives the same merged weights at any ``tensor_parallel_size``. Each rank
+        allocates only its shards.
+
+        Args:
+            config: The model's transformers config (never modified to hold local sizes).
+            tensor_parallel_size: Ranks each layer is split across.
+            pipeline_parallel_size: Pipeline stages (only 1 for now).
+            micro_batch_size: Micro-batch size of pipeline parallelism (no effect without it).
+            resize_token_embeddings: Vocabulary size to build with instead of ``config.vocab_size``.
+            seed: Seed of initialization and of the model's dropout/sampling streams.
+            dtype: Parameter dtype (default float32); ``torch_dtype`` is its older name.
+            attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+            parallel_context: An existing context to share (sizes must match).
+
+        Returns:
+            The model, in training mode as transformers' ``from_config`` leaves it.
+        """
+        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        pp = _validate_pipeline_size(pipeline_parallel_size)
+        dtype = _resolve_dtype(dtype, torch_dtype)
+        dtype = torch.float32 if dtype in (None, "auto") else dtype
+        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
+        if resize_token_embeddings is not None:
+            config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
+        cls._validate_parallel_config(config, tp)
+        context = cls._context(parallel_context, tp, pp, seed)
+        model = cls._build(config, context, dtype, attn_implementation)
+        model.micro_batch_size = micro_batch_size
+
+        def initialize():
+            specs = parameter_specs(model)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    spec = specs[name]
+                    global_shape = spec.global_shape(param.shape) if spec else tuple(param.shape)
+                    param.copy_(model._seeded_local_init(name, spec, global_shape))
+
+        run_on_all_ranks(context, initialize, "initializing the model")
+        return model
+
+    @classmethod
+    def from_pretrained_with_parallel(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        micro_batch_size: int = 1,
+        resize_token_embeddings: int | None = None,
+        seed: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None,
+        parallel_context: ParallelContext | None = None,
+        **kwargs,
+    ):
+        """Load a checkpoint split across ranks; each rank reads only its own slices.
+
+        Reads a merged Hugging Face checkpoint (safetensors, sharded or not, or ``pytorch_model.bin``
+        loaded with ``weights_only=True``) or a split checkpoint written by
+        :meth:`save_pretrained_with_parallel` with the same layout.
+
+        Args:
+            pretrained_model_name_or_path: Directory of the checkpoint.
+            tensor_parallel_size: Ranks each layer is split across (must divide the attention heads).
+            pipeline_parallel_size: Pipeline stages (only 1 for now).
+            micro_batch_size: Micro-batch size of pipeline parallelism (no effect without it).
+            resize_token_embeddings: New vocabulary size; added rows are initialized like new weights.
+            seed: Seed of the model's dropout/sampling streams and of any newly initialized weights.
+            dtype: Parameter dtype; ``"auto"`` or ``None`` keeps the checkpoint's (``torch_dtype`` is
+                its older name).
+            attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+            parallel_context: An existing context to share (sizes must match).
+            **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
+
+        Returns:
+            The model in evaluation mode, as transformers' ``from_pretrained`` returns it.
+        """
+        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        pp = _validate_pipeline_size(pipeline_parallel_size)
+        dtype = _resolve_dtype(dtype, torch_dtype)
+        path = os.fspath(pretrained_model_name_or_path)
+        checkpoint = ckpt.inspect_checkpoint(path)
+        config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        if unused:
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained_with_parallel got unexpected keyword argument(s) "
+                f"{sorted(unused)}: they are neither oslo options nor attributes of {type(config).__name__}."
+            )
+        ckpt.check_split_layout(checkpoint, tp, pp)
+        if resize_token_embeddings is not None:
+            if checkpoint.kind == "split":
+                raise NotImplementedError(
+                    "resize_token_embeddings is supported when loading merged checkpoints only; save this "
+                    "checkpoint with save_with_merging=True first."
+                )
+            config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
+        cls._validate_parallel_config(config, tp)
+        if dtype in (None, "auto"):
+            dtype = getattr(config, "dtype", None) or ckpt.checkpoint_dtype(checkpoint) or torch.float32
+            dtype = _resolve_dtype(dtype, None)
+
+        context = cls._context(parallel_context, tp, pp, seed)
+        model = cls._build(config, context, dtype, attn_implementation)
+        model.micro_batch_size = micro_batch_size
+        ckpt.load_checkpoint(
+            model, checkpoint, model._seeded_local_init, allow_vocab_resize=resize_token_embeddings is not None
+        )
+        model.eval()
+        return model
+
+    @staticmethod
+    def _context(parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None) -> ParallelContext:
+        if parallel_context is None:
+            return ParallelContext(tp, pp, seed=seed)
+        if (parallel_context.tensor_parallel_size, parallel_context.pipeline_parallel_size) != (tp, pp):
+            raise ValueError(
+                f"parallel_context has tensor_parallel_size={parallel_context.tensor_parallel_size}, "
+                f"pipeline_parallel_size={parallel_context.pipeline_parallel_size} but tensor_parallel_size={tp}, "
+                f"pipeline_parallel_size={pp} were requested; pass matching sizes."
+            )
+        return parallel_context
+
+    # ---- saving ------------------------------------------------------------------------------
+    def save_pretrained_with_parallel(
+        self,
+        save_directory: str | os.PathLike,
+        save_with_merging: bool = False,
+        save_config: bool = True,
+        safe_serialization: bool = True,
+        max_shard_size: int | str = "5GB",
+    ) -> None:
+        """Save a split or a merged checkpoint. Call it on every rank.
+
+        Split (default): one ``model_tp={t}_pp={p}.safetensors`` per model-parallel rank, with
+        ``config.json`` and ``model_parallel.index.json`` (layout, global shapes, dtypes, file
+        contents). Merged: a plain Hugging Face checkpoint that ``transformers`` loads as is (sharded by
+        ``max_shard_size``; ``safe_serialization=False`` writes ``pytorch_model.bin``).
+
+        Files are written to a staging folder and moved into place only when every rank has
+        finished, so an interrupted save leaves the previous checkpoint intact.
+
+        Args:
+            save_directory: Target directory (created if needed).
+            save_with_merging: Write a merged (plain transformers) checkpoint.
+            save_config: Also write ``config.json`` (and ``generation_config.json``).
+            safe_serialization: safetensors (default) or pickle-free ``torch.save`` files.
+            max_shard_size: Largest merged shard, as in transformers (``"5GB"``, ``"200MB"`` or bytes).
+        """
+        directory = os.fspath(save_directory)
+        if save_with_merging:
+            size = convert_file_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+            ckpt.save_merged(self, directory, safe_serialization, size, save_config)
+        else:
+            ckpt.save_split(self, directory, safe_serialization, save_config)

@@ -1,0 +1,629 @@
+"""GPT2, tensor-parallel, with every head transformers offers for it.
+
+Reads like transformers' single-device GPT2: the parallel layers keep ``nn.Linear``-like signatures
+and Hugging Face parameter names and layouts (``Conv1D`` weights stay ``(in, out)``), and attention
+reshapes with ``view(b, t, -1, head_dim)`` so each rank's local head count falls out of the shapes.
+Under tensor parallelism every block does two all-reduces forward (after ``attn.c_proj`` and
+``mlp.c_proj``) and two backward (before ``attn.c_attn`` and ``mlp.c_fc``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import GPT2Config
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2.modeling_gpt2 import (
+    GPT2DoubleHeadsModelOutput,
+    GPT2SequenceSummary,
+    eager_attention_forward,
+)
+
+from oslo.models.base import OsloPreTrainedModel
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
+from oslo.parallel.mappings import gather_from_tensor_parallel
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.embed_dim = config.hidden_size
+        self.head_dim = self.embed_dim // config.num_attention_heads
+        self.is_causal = True
+        self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(layer_idx + 1)
+        self.rng = parallel_context.rng
+        self.tensor_parallel_group = parallel_context.tensor_parallel_group
+
+        # c_attn is [q | k | v] along its output: each rank takes its heads of each of the three.
+        self.c_attn = ColumnParallelLinear(
+            self.embed_dim, 3 * self.embed_dim, parallel_context=parallel_context, chunks=3, transposed=True
+        )
+        self.c_proj = RowParallelLinear(
+            self.embed_dim, self.embed_dim, parallel_context=parallel_context, transposed=True
+        )
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        query, key, value = self.c_attn(hidden_states).chunk(3, dim=-1)  # 3 x (B, T, nh_local * hs)
+        query = query.view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
+        key = key.view(batch, length, -1, self.head_dim).transpose(1, 2)
+        value = value.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, nh_local, T_past + T, hs)
+
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        dropout = self.attn_dropout.p if self.training else 0.0
+        # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
+        with self.rng.split() if dropout > 0 else nullcontext():
+            attn_output, attn_weights = attention(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
+        attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
+        attn_output = self.resid_dropout(self.c_proj(attn_output))
+
+        if output_attentions and attn_weights is not None:
+            attn_weights = gather_from_tensor_parallel(attn_weights, self.tensor_parallel_group, dim=1)
+        return attn_output, attn_weights
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, intermediate_size: int, config: GPT2Config, parallel_context: ParallelContext) -> None:
+        super().__init__()
+        embed_dim = config.hidden_size
+        self.c_fc = ColumnParallelLinear(
+            embed_dim, intermediate_size, parallel_context=parallel_context, transposed=True
+        )
+        self.c_proj = RowParallelLinear(
+            intermediate_size, embed_dim, parallel_context=parallel_context, transposed=True
+        )
+        self.act = ACT2FN[config.activation_function]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
+        return self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext) -> None:
+        super().__init__()
+        hidden_size = config.hidden_size
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
+        self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx, parallel_context)
+        self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(inner_dim, config, parallel_context)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_output, attn_weights = self.attn(
+            self.ln_1(hidden_states),
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            output_attentions=output_attentions,
+            **kwargs,
+        )
+        hidden_states = hidden_states + attn_output
+        hidden_states = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return hidden_states, attn_weights
+
+
+class GPT2PreTrainedModel(OsloPreTrainedModel):
+    config_class = GPT2Config
+    config: GPT2Config
+    base_model_prefix = "transformer"
+    _no_split_modules = ["GPT2Block"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"crossattention\.bias"]
+
+    @classmethod
+    def _validate_parallel_config(cls, config: GPT2Config, tensor_parallel_size: int) -> None:
+        heads = config.num_attention_heads
+        inner = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+        if heads % tensor_parallel_size != 0:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
+                f"(n_head={heads}): each rank must hold whole heads. Use one of {divisors}."
+            )
+        if inner % tensor_parallel_size != 0:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size (n_inner={inner}). "
+                f"Use a tensor_parallel_size that divides both n_head={heads} and {inner}."
+            )
+        if config.add_cross_attention:
+            raise NotImplementedError(
+                "GPT2 with add_cross_attention=True is not supported by oslo yet; load it with "
+                "add_cross_attention=False."
+            )
+        if config.reorder_and_upcast_attn:
+            raise NotImplementedError(
+                "reorder_and_upcast_attn=True is not supported by oslo yet; load with reorder_and_upcast_attn=False."
+            )
+
+    def _init_std(self, module_name: str) -> float:
+        # GPT-2 paper: residual projections are scaled by 1/sqrt(2 * n_layer).
+        if module_name.endswith((".attn.c_proj", ".mlp.c_proj")):
+            return self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
+        return self.config.initializer_range
+
+
+class GPT2Model(GPT2PreTrainedModel):
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        context = self.parallel_context
+        self.embed_dim = config.hidden_size
+        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([GPT2Block(config, i, context) for i in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
+        self.wte = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        config = self.config
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else config.return_dict
+
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            input_shape = input_ids.shape
+            input_ids = input_ids.view(-1, input_shape[-1])
+        else:
+            input_shape = inputs_embeds.shape[:-1]
+        batch_size = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.view(-1, input_shape[-1])
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)  # each rank caches its own heads
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)  # (B, T, C)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(batch_size, -1)
+        causal_mask = create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(token_type_ids)
+        hidden_states = self.drop(hidden_states)
+
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for block in self.h:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, attn_weights = block(
+                hidden_states,
+                past_key_values=past_key_values,
+                attention_mask=causal_mask,
+                output_attentions=output_attentions,
+                position_ids=position_ids,
+                **kwargs,
+            )
+            if output_attentions:
+                all_attentions += (attn_weights,)
+        hidden_states = self.ln_f(hidden_states)
+        hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+def _base_kwargs(kwargs: dict) -> dict:
+    """The keyword arguments of a head's forward that belong to the base model."""
+    return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+
+
+class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.transformer = GPT2Model(config, self.parallel_context)
+        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=self.parallel_context)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        gather_logits: bool = True,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithCrossAttentions | tuple:
+        """Causal language modeling, as transformers' ``GPT2LMHeadModel.forward``.
+
+        The loss is computed on vocabulary-split logits (no gather). ``gather_logits=False`` skips the
+        all-gather of the returned logits (``logits`` is then ``None``), for training loops that only
+        use the loss.
+        """
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **_base_kwargs(kwargs),
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:, :]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[:, logits_to_keep, :]
+        local_logits = self.lm_head(hidden_states)  # (B, T, V_local)
+
+        loss = None
+        if labels is not None:
+            loss = self.lm_head.causal_lm_loss(
+                local_logits, labels, num_items_in_batch=kwargs.get("num_items_in_batch")
+            )
+        logits = self.lm_head.gather(local_logits) if gather_logits else None
+        output = CausalLMOutputWithCrossAttentions(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
+        self.transformer = GPT2Model(config, self.parallel_context)
+        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=self.parallel_context)
+        self.multiple_choice_head = GPT2SequenceSummary(config)  # small: replicated
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        mc_token_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        mc_labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        gather_logits: bool = True,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> GPT2DoubleHeadsModelOutput | tuple:
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **_base_kwargs(kwargs),
+        )
+        hidden_states = outputs.last_hidden_state  # (B, choices, T, C)
+        local_logits = self.lm_head(hidden_states)
+        mc_logits = self.multiple_choice_head(hidden_states, mc_token_ids).squeeze(-1)
+
+        mc_loss = None
+        if mc_labels is not None:
+            mc_loss = CrossEntropyLoss()(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1))
+        lm_loss = None
+        if labels is not None:
+            lm_loss = self.lm_head.causal_lm_loss(local_logits, labels)
+        output = GPT2DoubleHeadsModelOutput(
+            loss=lm_loss,
+            mc_loss=mc_loss,
+            logits=self.lm_head.gather(local_logits) if gather_logits else None,
+            mc_logits=mc_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+class GPT2ForSequenceClassification(GPT2PreTrainedModel):
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, self.parallel_context)
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)  # small: replicated
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast | tuple:
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **_base_kwargs(kwargs),
+        )
+        logits = self.score(outputs.last_hidden_state)  # (B, T, num_labels)
+        batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        pad_token_id = self.config.pad_token_id
+        if pad_token_id is None and batch_size != 1:
+            raise ValueError(
+                f"GPT2ForSequenceClassification needs config.pad_token_id to find the last token of each of "
+                f"the {batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
+            )
+        if pad_token_id is None or input_ids is None:
+            last_token = -1
+        else:
+            # The rightmost non-pad token, so both left and right padding work.
+            not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+            positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+            last_token = (positions * not_pad).argmax(-1)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
+
+        loss = None
+        if labels is not None:
+            loss = _sequence_classification_loss(self.config, self.num_labels, pooled_logits, labels)
+        output = SequenceClassifierOutputWithPast(
+            loss=loss,
+            logits=pooled_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+def _sequence_classification_loss(config, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
+    """transformers' problem-type dispatch: regression, single-label or multi-label classification."""
+    if config.problem_type is None:
+        if num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        if num_labels == 1:
+            return MSELoss()(logits.squeeze(), labels.squeeze())
+        return MSELoss()(logits, labels)
+    if config.problem_type == "single_label_classification":
+        return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
+    return BCEWithLogitsLoss()(logits, labels)
+
+
+class GPT2ForTokenClassification(GPT2PreTrainedModel):
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, self.parallel_context)
+        if getattr(config, "classifier_dropout", None) is not None:
+            dropout = config.classifier_dropout
+        elif getattr(config, "hidden_dropout", None) is not None:
+            dropout = config.hidden_dropout
+        else:
+            dropout = 0.1
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)  # small: replicated
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput | tuple:
+        outputs = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **_base_kwargs(kwargs),
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+        output = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, self.parallel_context)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)  # small: replicated
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        outputs = self.transformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **_base_kwargs(kwargs),
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
+        start_logits = start_logits.squeeze(-1).contiguous()
+        end_logits = end_logits.squeeze(-1).contiguous()
+
+        total_loss = None
+        if start_positions is not None and end_positions is not None:
+            if start_positions.dim() > 1:
+                start_positions = start_positions.squeeze(-1)
+            if end_positions.dim() > 1:
+                end_positions = end_positions.squeeze(-1)
+            # Positions outside the input are clamped to an ignored index, as transformers does.
+            ignored_index = start_logits.size(1)
+            start_positions = start_positions.clamp(0, ignored_index).to(start_logits.device)
+            end_positions = end_positions.clamp(0, ignored_index).to(end_logits.device)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
+            total_loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
+        output = QuestionAnsweringModelOutput(
+            loss=total_loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "GPT2Attention",
+    "GPT2MLP",
+    "GPT2Block",
+    "GPT2PreTrainedModel",
+    "GPT2Model",
+    "GPT2LMHeadModel",
+    "GPT2DoubleHeadsModel",
+    "GPT2ForSequenceClassification",
+    "GPT2ForTokenClassification",
+    "GPT2ForQuestionAnswering",
+]

@@ -1,0 +1,36 @@
+"""Everything that talks to torch.distributed: context, collectives, parallel layers, loss, RNG."""
+
+from oslo.parallel.clip import clip_grad_norm_
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
+from oslo.parallel.loss import causal_lm_loss, vocab_parallel_cross_entropy
+from oslo.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+from oslo.parallel.plan import ShardSpec
+from oslo.parallel.random import ParallelRNG
+
+__all__ = [
+    "ParallelContext",
+    "ParallelRNG",
+    "ShardSpec",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "vocab_parallel_cross_entropy",
+    "causal_lm_loss",
+    "clip_grad_norm_",
+]

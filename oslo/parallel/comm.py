@@ -1,0 +1,80 @@
+"""Plain (non-autograd) collectives used around the model: loading, saving, error agreement."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.mappings import group_size
+
+T = TypeVar("T")
+
+
+class RankFailedError(RuntimeError):
+    """Raised on every rank when some other rank failed during a step they share."""
+
+
+def run_on_all_ranks(context: ParallelContext, step: Callable[[], T], what: str) -> T:
+    """Run ``step`` on every rank; if it fails anywhere, raise everywhere.
+
+    Each rank runs ``step`` locally (no collective inside), then the ranks exchange one status
+    message. A rank whose step failed re-raises its own exception; the others raise
+    :class:`RankFailedError` naming the failed ranks and their errors. Nobody is left waiting in a
+    later collective.
+
+    Args:
+        context: Whose world group to agree over.
+        step: The local work.
+        what: A few words for the error message ("loading the checkpoint").
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - every error must be shared with the other ranks
+        error = exc
+    if context.world_size > 1:
+        status = None if error is None else f"{type(error).__name__}: {error}"
+        statuses: list[str | None] = [None] * context.world_size
+        dist.all_gather_object(statuses, status)
+        failed = [(rank, message) for rank, message in enumerate(statuses) if message is not None]
+        if failed and error is None:
+            details = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+            raise RankFailedError(f"{what} failed on {len(failed)} rank(s): {details}")
+    if error is not None:
+        raise error
+    return result
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def gather_to_first(tensor: torch.Tensor, group, first_global_rank: int) -> list[torch.Tensor] | None:
+    """Gather ``tensor`` from every rank of ``group`` onto its first rank (the others get ``None``)."""
+    if group_size(group) == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    is_first = dist.get_rank() == first_global_rank
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))] if is_first else None
+    dist.gather(tensor, parts, dst=first_global_rank, group=group)
+    return parts
+
+
+def barrier(context: ParallelContext) -> None:
+    if context.world_size > 1:
+        dist.barrier(group=context.world_group)
+
+
+def broadcast_object(context: ParallelContext, value: T) -> T:
+    """Rank 0's ``value`` on every rank."""
+    if context.world_size == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

@@ -1,0 +1,243 @@
+"""The parallel context: sizes, ranks and process groups of one parallelized model.
+
+Ranks form a grid ``arange(world_size).view(data, pipeline, tensor)``: tensor-parallel peers are
+neighbours (fastest-varying), then pipeline stages, then data-parallel replicas. This is the only
+module that reads the launcher's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from oslo.parallel.random import ParallelRNG
+
+logger = logging.getLogger(__name__)
+
+_LAUNCH_HINT = (
+    "Launch one process per rank with `torchrun --nproc_per_node={n} your_script.py` "
+    "(or `deepspeed --num_gpus={n} your_script.py`)"
+)
+
+
+def validate_parallel_size(name: str, value: object) -> int:
+    """Check that a parallel size given by a user is a positive integer and return it.
+
+    Raises:
+        TypeError: ``value`` is not an integer (``bool`` included).
+        ValueError: ``value`` is smaller than 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name} must be a positive integer, got {value!r} of type {type(value).__name__}. "
+            f"Pass an int such as {name}=2."
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer (>= 1), got {value}. Pass e.g. {name}=1.")
+    return value
+
+
+def _launcher_world_size() -> int | None:
+    """World size announced by torchrun/deepspeed, or None when no launcher set one."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _init_distributed(backend: str | None, timeout: timedelta | None) -> None:
+    """Initialize torch.distributed from the launcher's environment variables."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+
+
+class ParallelContext:
+    """Sizes, ranks and process groups for tensor, pipeline and data parallelism.
+
+    Created once per model (``from_pretrained_with_parallel`` does it) and passed to every parallel
+    layer. When ``torch.distributed`` is not initialized yet, it is initialized from the variables
+    that ``torchrun`` and ``deepspeed`` set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), with gloo
+    on CPU and NCCL on CUDA. With ``tensor_parallel_size = pipeline_parallel_size = 1`` in a plain
+    process no launcher is needed: the context is a single rank and every collective is skipped.
+
+    The Megatron/DeepSpeed ``mpu`` accessors (``get_tensor_parallel_rank``, ``get_data_parallel_group``,
+    ``get_model_parallel_world_size``...) are methods of this object, so ``model.mpu`` can be handed to
+    DeepSpeed or used to build a ``DistributedSampler``.
+
+    Args:
+        tensor_parallel_size: Number of ranks each layer is split across.
+        pipeline_parallel_size: Number of pipeline stages.
+        seed: Seed of the model's random streams (dropout, sampling). ``None`` takes rank 0's
+            ``torch.initial_seed()`` so that ``torch.manual_seed`` keeps its usual meaning.
+        backend: ``torch.distributed`` backend to initialize with; default gloo on CPU, NCCL on CUDA.
+        timeout: Collective timeout passed to ``init_process_group``.
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        seed: int | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an integer or None, got {seed!r}. Pass e.g. seed=42.")
+
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        else:
+            world_size = _launcher_world_size() or 1
+        model_parallel = tp * pp
+        if world_size == 1 and model_parallel > 1:
+            raise RuntimeError(
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {model_parallel} processes, "
+                "but this is a single process with no distributed launcher (RANK/WORLD_SIZE are not set "
+                f"and torch.distributed is not initialized). {_LAUNCH_HINT.format(n=model_parallel)}, "
+                "or use tensor_parallel_size=1 and pipeline_parallel_size=1 in a plain process."
+            )
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {model_parallel} must divide the "
+                f"world size {world_size} (and be at most {world_size}). Choose sizes whose product divides "
+                f"{world_size}, or launch a multiple of {model_parallel} processes."
+            )
+
+        if world_size > 1 and not dist.is_initialized():
+            _init_distributed(backend, timeout)
+
+        self.tensor_parallel_size = tp
+        self.pipeline_parallel_size = pp
+        self.data_parallel_size = world_size // model_parallel
+        self.world_size = world_size
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+        self.device = self._default_device()
+        grid = torch.arange(world_size).view(self.data_parallel_size, pp, tp)
+        dp_index, pp_index, tp_index = (int(i) for i in (grid == self.rank).nonzero()[0])
+        self.tensor_parallel_rank = tp_index
+        self.pipeline_parallel_rank = pp_index
+        self.data_parallel_rank = dp_index
+        self.model_parallel_rank = pp_index * tp + tp_index
+
+        self._tp_ranks = grid[dp_index, pp_index, :].tolist()
+        self._pp_ranks = grid[dp_index, :, tp_index].tolist()
+        self._dp_ranks = grid[:, pp_index, tp_index].tolist()
+        self._mp_ranks = grid[dp_index].flatten().tolist()
+        self.tensor_parallel_group = self._new_groups([grid[d, p, :] for d in range(grid.size(0))
+                                                       for p in range(pp)])
+        self.pipeline_parallel_group = self._new_groups([grid[d, :, t] for d in range(grid.size(0))
+                                                         for t in range(tp)])
+        self.data_parallel_group = self._new_groups([grid[:, p, t] for p in range(pp) for t in range(tp)])
+        self.model_parallel_group = self._new_groups([grid[d].flatten() for d in range(grid.size(0))])
+        self.world_group = dist.group.WORLD if dist.is_initialized() else None
+
+        if seed is None:
+            seed = self._broadcast_seed(torch.initial_seed() % (2**63))
+        self.seed = seed
+        self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device)
+
+    def _default_device(self) -> torch.device:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _new_groups(self, rank_lists: list[torch.Tensor]) -> dist.ProcessGroup | None:
+        """Create one group per rank list (every rank creates all of them) and return this rank's."""
+        if not dist.is_initialized():
+            return None
+        mine = None
+        for ranks in rank_lists:
+            ranks = ranks.tolist()
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _broadcast_seed(self, seed: int) -> int:
+        if not dist.is_initialized() or self.world_size == 1:
+            return seed
+        value = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(value, src=0)
+        return int(value.item())
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelContext(rank={self.rank}, world_size={self.world_size}, "
+            f"tensor_parallel={self.tensor_parallel_rank}/{self.tensor_parallel_size}, "
+            f"pipeline_parallel={self.pipeline_parallel_rank}/{self.pipeline_parallel_size}, "
+            f"data_parallel={self.data_parallel_rank}/{self.data_parallel_size}, device={self.device})"
+        )
+
+    # ---- tensor-parallel rank arithmetic -------------------------------------------------------
+    def tensor_parallel_global_rank(self, tensor_parallel_rank: int) -> int:
+        """Global rank of the tensor-parallel peer ``tensor_parallel_rank`` of this rank."""
+        return self._tp_ranks[tensor_parallel_rank]
+
+    def is_first_in(self, group_name: str) -> bool:
+        """Whether this rank is rank 0 of the named group ("tensor", "pipeline", "data", "model")."""
+        return getattr(self, f"{group_name}_parallel_rank") == 0
+
+    # ---- Megatron / DeepSpeed mpu interface ----------------------------------------------------
+    def get_tensor_parallel_rank(self) -> int:
+        return self.tensor_parallel_rank
+
+    def get_tensor_parallel_world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    def get_tensor_parallel_group(self):
+        return self.tensor_parallel_group
+
+    def get_tensor_parallel_src_rank(self) -> int:
+        return self._tp_ranks[0]
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.pipeline_parallel_rank
+
+    def get_pipeline_parallel_world_size(self) -> int:
+        return self.pipeline_parallel_size
+
+    def get_pipeline_parallel_group(self):
+        return self.pipeline_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return self.data_parallel_group
+
+    def get_data_parallel_src_rank(self) -> int:
+        return self._dp_ranks[0]
+
+    def get_model_parallel_rank(self) -> int:
+        return self.model_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def get_model_parallel_group(self):
+        return self.model_parallel_group
+
+    def get_model_parallel_src_rank(self) -> int:
+        return self._mp_ranks[0]
+
+    # Megatron-LM spells the same accessors with "model" inside; DeepSpeed looks for these.
+    get_tensor_model_parallel_rank = get_tensor_parallel_rank
+    get_tensor_model_parallel_world_size = get_tensor_parallel_world_size
+    get_tensor_model_parallel_group = get_tensor_parallel_group
+    get_tensor_model_parallel_src_rank = get_tensor_parallel_src_rank
+    get_pipeline_model_parallel_rank = get_pipeline_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipeline_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipeline_parallel_group

@@ -1,0 +1,259 @@
+"""Tensor-parallel layers with ``nn.Linear`` / ``nn.Embedding`` signatures.
+
+Each layer holds only this rank's shard and declares, in ``parallel_specs``, how each of its
+parameters maps onto the global (checkpoint) tensor. Communication happens in the paired autograd
+functions of ``mappings.py``, called visibly in ``forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+from oslo.parallel.loss import causal_lm_loss
+from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if not transposed:
+        return F.linear(x, weight, bias)
+    # Conv1D layout (in, out), computed exactly as transformers' Conv1D does.
+    out_shape = x.shape[:-1] + (weight.size(1),)
+    flat = x.reshape(-1, x.size(-1))
+    out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return out.view(out_shape)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split across tensor-parallel ranks.
+
+    Forward: identity on the input (its gradient is all-reduced), local matmul, and an all-gather of
+    the output only when ``gather_output=True``.
+
+    Args:
+        in_features: Input size (full on every rank).
+        out_features: Global output size.
+        bias: Whether to learn an additive bias (split like the output).
+        gather_output: Return the full output instead of this rank's slice.
+        parallel_context: The model's :class:`ParallelContext` (``None``: a single rank).
+        chunks: The output is ``chunks`` concatenated blocks (fused q/k/v: 3), each split separately.
+        transposed: Store the weight as ``(in, out)``, the layout of transformers' ``Conv1D`` (GPT2).
+        pad_vocab: The output is a vocabulary: pad it to a multiple of the tensor-parallel size.
+            Padding columns are zero-weight, never returned by ``gather_output`` and masked by the loss.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        *,
+        parallel_context: ParallelContext | None = None,
+        chunks: int = 1,
+        transposed: bool = False,
+        pad_vocab: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = parallel_context.tensor_parallel_group if parallel_context else None
+        world = parallel_context.tensor_parallel_size if parallel_context else 1
+        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.transposed = gather_output, transposed
+        kind = VOCAB if pad_vocab else COLUMN
+        out_dim = 1 if transposed else 0
+        self.weight_spec = ShardSpec(kind, out_dim, out_features, world, rank, chunks)
+        local_out = self.weight_spec.local_size
+        shape = (in_features, local_out) if transposed else (local_out, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.parallel_specs = {"weight": self.weight_spec}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype))
+            self.parallel_specs["bias"] = ShardSpec(kind, 0, out_features, world, rank, chunks)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel(x, self.group)
+        out = _linear(x, self.weight, self.bias, self.transposed)
+        if self.gather_output:
+            out = gather_from_tensor_parallel(out, self.group, dim=-1)
+            if self.weight_spec.kind == VOCAB and out.size(-1) != self.out_features:
+                out = out[..., : self.out_features]
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight_spec.local_size}), bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split across tensor-parallel ranks.
+
+    Forward: local matmul on this rank's input slice, all-reduce (sum) of the partial outputs, then
+    the bias (replicated) is added once.
+
+    Args:
+        in_features: Global input size.
+        out_features: Output size (full on every rank).
+        bias: Whether to learn an additive bias (replicated).
+        input_is_parallel: The input is already this rank's slice (the output of a
+            :class:`ColumnParallelLinear`); otherwise it is split here.
+        parallel_context: The model's :class:`ParallelContext` (``None``: a single rank).
+        transposed: Store the weight as ``(in, out)``, the layout of transformers' ``Conv1D`` (GPT2).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        *,
+        parallel_context: ParallelContext | None = None,
+        transposed: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = parallel_context.tensor_parallel_group if parallel_context else None
+        world = parallel_context.tensor_parallel_size if parallel_context else 1
+        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.transposed = input_is_parallel, transposed
+        self.single_rank = world == 1
+        in_dim = 0 if transposed else 1
+        spec = ShardSpec(ROW, in_dim, in_features, world, rank)
+        local_in = spec.local_size
+        shape = (local_in, out_features) if transposed else (out_features, local_in)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.parallel_specs = {"weight": spec}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_rank:
+            return _linear(x, self.weight, self.bias, self.transposed)
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group, dim=-1)
+        out = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.transposed), self.group)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.parallel_specs['weight'].local_size}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across tensor-parallel ranks.
+
+    Each rank looks up the ids it owns, zeroes the rows of ids it does not, and the partial results
+    are summed with one all-reduce. The vocabulary is padded to a multiple of the tensor-parallel size;
+    padding rows are never looked up.
+
+    Args:
+        num_embeddings: Global vocabulary size.
+        embedding_dim: Embedding size.
+        padding_idx: As in ``nn.Embedding``: this row gets no gradient.
+        parallel_context: The model's :class:`ParallelContext` (``None``: a single rank).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        parallel_context: ParallelContext | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = parallel_context.tensor_parallel_group if parallel_context else None
+        world = parallel_context.tensor_parallel_size if parallel_context else 1
+        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight_spec = ShardSpec(VOCAB, 0, num_embeddings, world, rank)
+        self.parallel_specs = {"weight": self.weight_spec}
+        self.vocab_start, self.vocab_end = self.weight_spec.vocab_range()
+        self.single_rank = world == 1
+        self.padding_idx = padding_idx
+        self.local_padding_idx = (
+            padding_idx - self.vocab_start
+            if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+            else None
+        )
+        local_rows = self.weight_spec.local_size
+        self.weight = nn.Parameter(torch.empty(local_rows, embedding_dim, device=device, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.single_rank:
+            return F.embedding(input_ids, self.weight, self.padding_idx)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        embedded = F.embedding(local_ids, self.weight, self.local_padding_idx)
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(embedded, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"local rows [{self.vocab_start}, {self.vocab_end}) + {self.weight_spec.local_size - (self.vocab_end - self.vocab_start)} padding"
+        )
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """Language-model head whose vocabulary columns are split across tensor-parallel ranks.
+
+    Returns this rank's logits; :meth:`causal_lm_loss` computes the loss from them without gathering,
+    and :meth:`gather` assembles the full ``vocab_size`` logits (padding dropped) for the user.
+
+    Args:
+        in_features: Hidden size.
+        vocab_size: Global vocabulary size.
+        bias: Whether to learn a bias per token.
+        parallel_context: The model's :class:`ParallelContext` (``None``: a single rank).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        bias: bool = False,
+        *,
+        parallel_context: ParallelContext | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(
+            in_features, vocab_size, bias, gather_output=False, parallel_context=parallel_context,
+            pad_vocab=True, device=device, dtype=dtype,
+        )
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """All-gather the vocabulary columns: ``(..., V_local)`` -> ``(..., vocab_size)``."""
+        logits = gather_from_tensor_parallel(local_logits, self.group, dim=-1)
+        return logits[..., : self.out_features] if logits.size(-1) != self.out_features else logits
+
+    def causal_lm_loss(self, local_logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Next-token loss of transformers' ``ForCausalLMLoss`` from this rank's logits (see ``loss.py``)."""
+        start, stop = self.weight_spec.vocab_range()
+        return causal_lm_loss(local_logits, labels, vocab_start=start, valid_columns=stop - start,
+                              group=self.group, **kwargs)

@@ -1,0 +1,116 @@
+"""Cross entropy over vocabulary-split logits.
+
+Each rank holds the logits of its vocabulary slice. The loss needs only three all-reduces of
+``batch x seq``-sized tensors (the row max, the target logit and the exp-sum): full logits are never
+gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from oslo.parallel.mappings import group_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: per-token cross entropy from vocab-split logits. Backward: softmax minus one-hot, locally."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, valid_columns, group, ignore_index):
+        # logits: (N, V_local) this rank's columns; columns >= valid_columns are padding.
+        logits = logits.float()
+        if valid_columns < logits.size(-1):
+            logits = logits.clone()
+            logits[:, valid_columns:] = float("-inf")
+        row_max = logits.max(dim=-1).values
+        if group_size(group) > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= valid_columns) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if group_size(group) > 1:
+            # One all-reduce for both per-token reductions.
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=group)
+            target_logit, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax
+        rows = torch.arange(grad.size(0), device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        grad.mul_((grad_loss.masked_fill(ignored, 0.0)).unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    valid_columns: int,
+    group,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token cross entropy (no reduction) of vocabulary-split logits.
+
+    Args:
+        logits: ``(..., V_local)``: this rank's vocabulary columns.
+        target: ``(...)`` global token ids; ``ignore_index`` entries get loss 0 and no gradient.
+        vocab_start: First global id of this rank's columns.
+        valid_columns: Number of this rank's columns that are real tokens (the rest is padding).
+        group: The tensor-parallel group (``None``: a single rank).
+        ignore_index: Target value to ignore.
+
+    Returns:
+        ``(...)`` float32 losses, identical on every rank of the group.
+    """
+    shape = target.shape
+    loss = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.size(-1)), target.reshape(-1), vocab_start, valid_columns, group, ignore_index
+    )
+    return loss.view(shape)
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_start: int,
+    valid_columns: int,
+    group,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next-token loss with the reduction of transformers' ``ForCausalLMLoss``, on vocab-split logits.
+
+    Labels are shifted inside (position ``t`` predicts label ``t + 1``) unless ``shift_labels`` is
+    given; the mean runs over non-ignored tokens, or the sum is divided by ``num_items_in_batch``.
+    """
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(logits.device)
+    per_token = vocab_parallel_cross_entropy(
+        logits, shift_labels, vocab_start=vocab_start, valid_columns=valid_columns, group=group,
+        ignore_index=ignore_index,
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(per_token.device)
+        return per_token.sum() / num_items_in_batch
+    return per_token.sum() / (shift_labels != ignore_index).sum()

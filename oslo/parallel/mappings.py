@@ -1,0 +1,118 @@
+"""Paired autograd collectives over a tensor-parallel group.
+
+Each function is the forward of an ``autograd.Function`` whose backward is its adjoint, so that a
+layer's communication is visible at the layer boundary and gradients are exact. Every function is the
+identity when the group has a single rank (or is ``None``: no distributed run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Number of ranks in ``group`` (1 for ``None``: a plain, non-distributed process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    chunks = tensor.chunk(group_size(group), dim=dim)
+    return chunks[group_rank(group)].contiguous()
+
+
+def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The incoming gradient may be shared with another branch of the graph: reduce a copy.
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        return _all_reduce(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Forward: keep this rank's chunk along ``dim``. Backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(tensor, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Forward: all-gather along ``dim``. Backward: keep this rank's chunk of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(tensor, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tensor_parallel(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+    if group_size(group) == 1:
+        return tensor
+    return _CopyToTensorParallel.apply(tensor, group)
+
+
+def reduce_from_tensor_parallel(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
+    if group_size(group) == 1:
+        return tensor
+    return _ReduceFromTensorParallel.apply(tensor, group)
+
+
+def scatter_to_tensor_parallel(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's equal chunk along ``dim`` forward; all-gather the gradient backward."""
+    if group_size(group) == 1:
+        return tensor
+    return _ScatterToTensorParallel.apply(tensor, group, dim)
+
+
+def gather_from_tensor_parallel(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's chunk along ``dim`` forward; keep this rank's gradient chunk backward."""
+    if group_size(group) == 1:
+        return tensor
+    return _GatherFromTensorParallel.apply(tensor, group, dim)

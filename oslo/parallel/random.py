@@ -1,0 +1,87 @@
+"""Tensor-parallel-aware random streams.
+
+A parallelized model owns two random streams. The *replicated* stream is seeded identically on every
+tensor-parallel rank: dropout on replicated activations (embeddings, residual branches after an
+all-reduce) and token sampling in ``generate()`` draw from it, so the ranks stay in step whatever the
+user does with the global RNG. The *split* stream is seeded differently per tensor-parallel rank:
+dropout on split activations (each rank's attention heads) draws from it, so each head gets an
+independent mask, as in the unsplit model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+
+# Offset between the replicated and the split seeds (any constant works; Megatron uses 2718).
+_SPLIT_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _seeded_state(seed: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator.get_state()
+
+
+class ParallelRNG:
+    """The replicated and split random streams of one model on one rank.
+
+    Args:
+        seed: Base seed; the split stream uses ``seed + 2718 + tensor_parallel_rank``.
+        tensor_parallel_rank: This rank's index in its tensor-parallel group.
+        device: Device whose default generator the streams stand in for.
+    """
+
+    def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device) -> None:
+        self.device = device
+        self._states = {
+            "replicated": _seeded_state(seed, device),
+            "split": _seeded_state(seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank, device),
+        }
+        self._active: str | None = None
+
+    @contextmanager
+    def fork(self, stream: str) -> Iterator[None]:
+        """Run the block with the device's default generator drawing from ``stream``.
+
+        Re-entrant: forking the stream that is already active does nothing. The caller's generator
+        state is restored afterwards.
+        """
+        if stream not in self._states:
+            raise ValueError(f"unknown random stream {stream!r}; expected 'replicated' or 'split'")
+        if self._active == stream:
+            yield
+            return
+        outer_state = _get_state(self.device)
+        outer_active = self._active
+        _set_state(self._states[stream], self.device)
+        self._active = stream
+        try:
+            yield
+        finally:
+            self._states[stream] = _get_state(self.device)
+            _set_state(outer_state, self.device)
+            self._active = outer_active
+
+    def replicated(self):
+        """Stream identical on all tensor-parallel ranks."""
+        return self.fork("replicated")
+
+    def split(self):
+        """Stream distinct on each tensor-parallel rank."""
+        return self.fork("split")

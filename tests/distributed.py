@@ -1,0 +1,100 @@
+"""Run a function on N ranks in real gloo process groups, as torchrun would.
+
+``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes with the launcher's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so oslo initializes
+torch.distributed itself exactly as under ``torchrun``. It returns the per-rank results, raises the
+traceback of the first failing rank (killing the others at once, so nobody waits in a collective),
+and raises ``TimeoutError`` naming the ranks that did not finish in time.
+
+Forking is cheap (~0.1 s) because the parent has already imported torch and transformers; the
+parent keeps one torch thread (tests/conftest.py) so forked gloo workers do not hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, conn) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        result = fn(rank, world_size, *args, **kwargs)
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(0)
+
+
+class RankError(AssertionError):
+    """A rank failed; the message carries its traceback."""
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, kwargs, child_conn), daemon=True)
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            ready = mp.connection.wait([c for r, c in enumerate(conns) if r not in results], timeout=remaining)
+            for conn in ready:
+                rank = conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "error", f"rank {rank} exited without a result (exit code " \
+                                               f"{procs[rank].exitcode})"
+                if status == "error":
+                    raise RankError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=5)
+        for conn in conns:
+            conn.close()
+    return [results[rank] for rank in range(world_size)]
