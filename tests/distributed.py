@@ -3,8 +3,9 @@
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes with the launcher's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so oslo initializes
 torch.distributed itself exactly as under ``torchrun``. It returns the per-rank results, raises the
-traceback of the first failing rank (killing the others at once, so nobody waits in a collective),
-and raises ``TimeoutError`` naming the ranks that did not finish in time.
+traceback of the lowest failing rank, and raises ``TimeoutError`` naming the ranks that did not finish in time. After a failure the other
+ranks get ``grace`` seconds (they may be stuck in a collective with the dead rank) before they are
+killed, so a failing rank fails the test quickly and never hangs it.
 
 Forking is cheap (~0.1 s) because the parent has already imported torch and transformers; the
 parent keeps one torch thread (tests/conftest.py) so forked gloo workers do not hang.
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -35,10 +40,12 @@ def _worker(fn, rank, world_size, port, args, kwargs, conn) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     try:
-        result = fn(rank, world_size, *args, **kwargs)
-        conn.send(("ok", result))
+        result = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                          fn(rank, world_size, *args, **kwargs))
+        # Plain pickle copies tensor data into the message (no shared memory outliving this process).
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     finally:
         conn.close()
         try:
@@ -56,7 +63,12 @@ class RankError(AssertionError):
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    grace: float = 5.0,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results."""
     ctx = mp.get_context("fork")
@@ -71,24 +83,32 @@ def run_distributed(
         conns.append(parent_conn)
 
     results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < world_size:
+        while len(results) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if failures:
+                    break
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
-            ready = mp.connection.wait([c for r, c in enumerate(conns) if r not in results], timeout=remaining)
-            for conn in ready:
+            pending = [c for r, c in enumerate(conns) if r not in results and r not in failures]
+            for conn in mp.connection.wait(pending, timeout=remaining):
                 rank = conns.index(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    status, payload = "error", f"rank {rank} exited without a result (exit code " \
-                                               f"{procs[rank].exitcode})"
+                    status, payload = "error", f"exited without a result (exit code {procs[rank].exitcode})"
                 if status == "error":
-                    raise RankError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
+                    failures[rank] = payload
+                    # The other ranks get a short grace period to finish (and clean up), then are killed.
+                    deadline = min(deadline, time.monotonic() + grace)
+                else:
+                    results[rank] = payload
+        if failures:
+            rank = min(failures)
+            raise RankError(f"rank {rank} failed:\n{failures[rank]}")
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -1,0 +1,191 @@
+"""Split and merged checkpoints: round trips, plain-transformers compatibility, crash safety."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+import oslo
+from oslo import checkpoint as ckpt
+from tests.distributed import RankError, run_distributed
+from tests.helpers import full_params, save_reference, tiny_gpt2_config
+
+INPUT_IDS = torch.tensor([[5, 17, 900, 3, 44, 1000, 8], [9, 9, 250, 31, 7, 600, 12]])
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-lm")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), path)
+    return str(path)
+
+
+def _reference_logits(path):
+    return transformers.GPT2LMHeadModel.from_pretrained(path).eval()(INPUT_IDS).logits
+
+
+def _save(rank, world_size, source, target, merged, options):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size)
+    model.save_pretrained_with_parallel(target, save_with_merging=merged, **options)
+
+
+def _load_logits(rank, world_size, path, tp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    return model(INPUT_IDS).logits
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_round_trip(lm_checkpoint, tmp_path, tp):
+    run_distributed(_save, tp, lm_checkpoint, str(tmp_path), False, {})
+    names = sorted(os.listdir(tmp_path))
+    expected_files = [f"model_tp={t}_pp=0.safetensors" for t in range(tp)]
+    assert set(expected_files) <= set(names)
+    assert "config.json" in names and ckpt.SPLIT_INDEX_NAME in names
+    assert not any(name.startswith(".oslo") for name in names)
+
+    index = json.loads((tmp_path / ckpt.SPLIT_INDEX_NAME).read_text())
+    assert (index["tensor_parallel_size"], index["pipeline_parallel_size"]) == (tp, 1)
+    assert sorted(index["files"]) == expected_files
+    assert index["tensors"]["transformer.wte.weight"]["shape"] == [1001, 32]
+    assert index["tensors"]["transformer.h.0.attn.c_attn.weight"]["split"] == {"kind": "column", "dim": 1,
+                                                                              "chunks": 3}
+    assert "lm_head.weight" not in index["tensors"]  # tied to transformer.wte.weight
+    with safe_open(str(tmp_path / expected_files[0]), "pt") as f:
+        assert f.get_slice("transformer.h.0.attn.c_attn.weight").get_shape() == [32, 96 // tp]
+
+    logits = run_distributed(_load_logits, tp, str(tmp_path), tp)
+    torch.testing.assert_close(logits[0], _reference_logits(lm_checkpoint))
+
+
+def _load_expecting_layout_error(rank, world_size, path):
+    with pytest.raises(ValueError) as info:
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    message = str(info.value)
+    assert "tensor_parallel_size=2" in message and f"tensor_parallel_size={world_size}" in message
+    assert "save_with_merging=True" in message
+
+
+def test_split_checkpoint_with_other_layout_is_refused(lm_checkpoint, tmp_path):
+    run_distributed(_save, 2, lm_checkpoint, str(tmp_path), False, {})
+    run_distributed(_load_expecting_layout_error, 4, str(tmp_path))
+    run_distributed(_load_expecting_layout_error, 1, str(tmp_path))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_merged_checkpoint_loads_in_plain_transformers(lm_checkpoint, tmp_path, tp):
+    run_distributed(_save, tp, lm_checkpoint, str(tmp_path), True, {})
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".json")) == ["model.safetensors"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert type(model) is transformers.GPT2LMHeadModel
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    torch.testing.assert_close(model.eval()(INPUT_IDS).logits, _reference_logits(lm_checkpoint))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_slice("transformer.wte.weight").get_shape() == [1001, 32]  # unpadded
+        assert "lm_head.weight" not in f.keys()
+
+
+def test_merged_sharded_and_bin_checkpoints(lm_checkpoint, tmp_path):
+    sharded, binary = tmp_path / "sharded", tmp_path / "bin"
+    run_distributed(_save, 2, lm_checkpoint, str(sharded), True, {"max_shard_size": "60KB"})
+    shards = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert (sharded / ckpt.SAFE_WEIGHTS_INDEX_NAME).exists()
+    run_distributed(_save, 2, lm_checkpoint, str(binary), True, {"safe_serialization": False})
+    assert (binary / ckpt.WEIGHTS_NAME).exists()
+    for path in (sharded, binary):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        torch.testing.assert_close(model(INPUT_IDS).logits, _reference_logits(lm_checkpoint))
+        # ...and oslo reads them back, slicing per rank.
+        logits = run_distributed(_load_logits, 2, str(path), 2)
+        torch.testing.assert_close(logits[1], _reference_logits(lm_checkpoint))
+
+
+def _save_and_die(rank, world_size, source, target):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    original = ckpt._write
+
+    def failing_write(tensors, path, safe_serialization):
+        if rank == 1:
+            raise OSError("disk full (simulated)")
+        original(tensors, path, safe_serialization)
+
+    ckpt._write = failing_write
+    model.save_pretrained_with_parallel(target)
+
+
+def test_failed_save_keeps_previous_checkpoint(lm_checkpoint, tmp_path):
+    run_distributed(_save, 2, lm_checkpoint, str(tmp_path), False, {})
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    with pytest.raises(RankError, match="disk full"):
+        run_distributed(_save_and_die, 2, lm_checkpoint, str(tmp_path))
+    after = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    assert after == before
+
+
+def _seeded_weights(rank, world_size, seed):
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        tiny_gpt2_config(), tensor_parallel_size=world_size, seed=seed
+    )
+    return full_params(model)
+
+
+def test_from_config_same_seed_same_weights_at_any_tp():
+    weights = {tp: run_distributed(_seeded_weights, tp, 7)[0] for tp in (1, 2, 4)}
+    other_seed = run_distributed(_seeded_weights, 1, 8)[0]
+    for name, value in weights[1].items():
+        torch.testing.assert_close(weights[2][name], value, rtol=0, atol=0)
+        torch.testing.assert_close(weights[4][name], value, rtol=0, atol=0)
+    assert not torch.equal(other_seed["transformer.h.0.attn.c_attn.weight"],
+                           weights[1]["transformer.h.0.attn.c_attn.weight"])
+    # The GPT-2 initialization scheme: residual projections scaled by 1/sqrt(2 * n_layer).
+    std = weights[1]["transformer.h.0.mlp.c_proj.weight"].std().item()
+    assert 0.02 / 2 * 0.8 < std < 0.02 / 2 * 1.2
+    assert torch.equal(weights[1]["transformer.ln_f.weight"], torch.ones(32))
+
+
+def _resized(rank, world_size, path, size):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=world_size, resize_token_embeddings=size, seed=3
+    )
+    assert model.config.vocab_size == size
+    logits = model(INPUT_IDS).logits
+    assert logits.shape[-1] == size
+    return full_params(model)["transformer.wte.weight"], logits
+
+
+def test_resize_token_embeddings(lm_checkpoint):
+    original = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint).transformer.wte.weight.detach()
+    (grown_1, logits_1), = run_distributed(_resized, 1, lm_checkpoint, 1030)
+    grown_2, logits_2 = run_distributed(_resized, 2, lm_checkpoint, 1030)[0]
+    assert grown_1.shape == (1030, 32)
+    torch.testing.assert_close(grown_1[:1001], original)
+    torch.testing.assert_close(grown_2, grown_1)  # new rows: same seed, same values at any tp
+    assert grown_1[1001:].abs().sum() > 0
+    torch.testing.assert_close(logits_2, logits_1)
+    (shrunk, _), = run_distributed(_resized, 2, lm_checkpoint, 900)[:1]
+    torch.testing.assert_close(shrunk, original[:900])
+
+
+def _dtype_and_overrides(rank, world_size, path):
+    half = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size,
+                                                              torch_dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    other = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size,
+                                                               dtype="float64", pad_token_id=7)
+    assert {p.dtype for p in other.parameters()} == {torch.float64}
+    assert other.config.pad_token_id == 7
+    with pytest.raises(TypeError, match="not_a_config_field"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size,
+                                                           not_a_config_field=1)
+
+
+def test_dtype_and_config_overrides(lm_checkpoint):
+    run_distributed(_dtype_and_overrides, 2, lm_checkpoint)
