@@ -1,0 +1,152 @@
+"""Bad input: a clear error (value, constraint, fix) on every rank, before any collective; never a hang."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from oslo.parallel.comm import RankFailedError
+from tests.distributed import run_distributed
+from tests.helpers import save_reference, tiny_gpt2_config
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-lm")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "value, error, fragment",
+    [(0, ValueError, "got 0"), (-2, ValueError, "got -2"), (1.5, TypeError, "1.5"), ("2", TypeError, "'2'"),
+     (True, TypeError, "True"), (None, TypeError, "None")],
+)
+def test_tensor_parallel_size_must_be_positive_integer(lm_checkpoint, value, error, fragment):
+    with pytest.raises(error, match="tensor_parallel_size must be a positive integer") as info:
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, tensor_parallel_size=value)
+    assert fragment in str(info.value)
+    with pytest.raises(error, match="tensor_parallel_size"):
+        oslo.GPT2LMHeadModel.from_config_with_parallel(tiny_gpt2_config(), tensor_parallel_size=value)
+
+
+def test_plain_process_tp1_needs_no_launcher(lm_checkpoint):
+    assert "RANK" not in os.environ and not torch.distributed.is_initialized()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint)
+    assert model.mpu.get_tensor_parallel_world_size() == 1 and model.mpu.get_data_parallel_world_size() == 1
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 1001)
+    assert not torch.distributed.is_initialized()
+
+
+def test_plain_process_tp2_names_the_launcher(lm_checkpoint):
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node=2") as info:
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, tensor_parallel_size=2)
+    assert "tensor_parallel_size=1" in str(info.value)
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel("/nonexistent/oslo-checkpoint")
+
+
+def _expect(rank, world_size, path, tp, error, fragments, pipeline_parallel_size=1):
+    with pytest.raises(error) as info:
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+            path, tensor_parallel_size=tp, pipeline_parallel_size=pipeline_parallel_size
+        )
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
+    return type(info.value).__name__
+
+
+def test_heads_not_divisible(lm_checkpoint):
+    run_distributed(_expect, 3, lm_checkpoint, 3, ValueError,
+                    ["tensor_parallel_size=3", "n_head=4", "[1, 2, 4]"])
+
+
+def test_sizes_must_divide_world(lm_checkpoint):
+    run_distributed(_expect, 2, lm_checkpoint, 4, ValueError, ["= 4 must divide the world size 2"])
+    run_distributed(_expect, 3, lm_checkpoint, 2, ValueError, ["= 2 must divide the world size 3"])
+
+
+def test_pipeline_not_yet_supported(lm_checkpoint):
+    run_distributed(_expect, 2, lm_checkpoint, 1, NotImplementedError, ["pipeline_parallel_size=2"],
+                    pipeline_parallel_size=2)
+
+
+def _save_split(rank, world_size, source, target):
+    oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size) \
+        .save_pretrained_with_parallel(target)
+
+
+def test_missing_split_file(lm_checkpoint, tmp_path):
+    run_distributed(_save_split, 2, lm_checkpoint, str(tmp_path))
+    os.remove(tmp_path / "model_tp=1_pp=0.safetensors")
+    run_distributed(_expect, 2, str(tmp_path), 2, FileNotFoundError, ["model_tp=1_pp=0.safetensors", "incomplete"])
+
+
+def test_corrupt_split_file_fails_every_rank(lm_checkpoint, tmp_path):
+    run_distributed(_save_split, 2, lm_checkpoint, str(tmp_path))
+    victim = tmp_path / "model_tp=1_pp=0.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-100])  # truncated
+    errors = run_distributed(_expect, 2, str(tmp_path), 2, (OSError, RankFailedError),
+                             ["model_tp=1_pp=0.safetensors", "truncated or corrupt"])
+    assert errors == ["RankFailedError", "OSError"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_merged_safetensors(lm_checkpoint, tmp_path, damage):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((open(os.path.join(lm_checkpoint, name), "rb")).read())
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 64 + data[64:])
+    run_distributed(_expect, 2, str(tmp_path), 2, OSError, ["model.safetensors", "truncated or corrupt"])
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_is_refused(lm_checkpoint, tmp_path):
+    marker = tmp_path / "executed"
+    reference = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    state = dict(reference.state_dict())
+    state["evil"] = _Payload(str(marker))
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    torch.save(state, directory / "pytorch_model.bin")
+    (directory / "config.json").write_text(open(os.path.join(lm_checkpoint, "config.json")).read())
+    run_distributed(_expect, 2, str(directory), 2, OSError, ["refusing to load", "nothing was executed"])
+    assert not marker.exists()
+
+
+def test_bad_dtype_and_resize(lm_checkpoint):
+    with pytest.raises(ValueError, match="pass only one"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, dtype=torch.float16,
+                                                           torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, dtype="float17")
+    with pytest.raises(ValueError, match="resize_token_embeddings must be a positive integer"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, resize_token_embeddings=0)
+
+
+def _tp3_parity(rank, world_size, path):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+
+
+def test_any_divisor_of_heads_works(tmp_path):
+    # tp=3 is not a power of two: any tp dividing the heads is fine.
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(n_embd=48, n_head=6), tmp_path)
+    run_distributed(_tp3_parity, 3, str(tmp_path))
