@@ -1,0 +1,149 @@
+"""Training under tensor and data parallelism: DDP over model.gpu_modules(), tp-aware dropout,
+gradient clipping, and the mpu accessors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch.nn.parallel import DistributedDataParallel
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import full_params, save_reference, tiny_gpt2_config
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-lm")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), path)
+    return str(path)
+
+
+def _global_batch(steps=3, batch=4, length=10):
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 1001, (batch, length), generator=generator) for _ in range(steps)]
+
+
+def _train(rank, world_size, path, tp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    model.train()
+    mpu = model.mpu
+    ddp = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
+    # SGD: Adam would amplify float rounding in near-zero gradients into visible update differences.
+    optimizer = torch.optim.SGD(model.gpu_parameters(), lr=0.5)
+    dp_size, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    losses = []
+    for batch in _global_batch():
+        local = batch.chunk(dp_size)[dp_rank]  # each replica gets its part of the global batch
+        optimizer.zero_grad()
+        loss = ddp(input_ids=local, labels=local, gather_logits=False).loss
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, group=mpu.get_data_parallel_group())
+        losses.append(global_loss.item() / dp_size)
+    return losses, full_params(model)
+
+
+def _train_reference(path):
+    model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for batch in _global_batch():
+        optimizer.zero_grad()
+        # Equal-size replicas: the mean of per-replica mean losses is what DDP optimizes.
+        loss = torch.stack([model(input_ids=part, labels=part).loss for part in batch.chunk(2)]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_tp2_dp2_equals_single_process(lm_checkpoint):
+    results = run_distributed(_train, 4, lm_checkpoint, 2, timeout=180)
+    expected_losses, expected_params = _train_reference(lm_checkpoint)
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses))
+        for name, value in expected_params.items():
+            torch.testing.assert_close(params[name], value,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _dropout_training(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=world_size, resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, seed=11
+    )
+    model.train()
+    torch.manual_seed(100 + rank)  # the ranks' global RNGs differ; the model's streams must not care
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in _global_batch():
+        optimizer.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+    replicated = {n: p.detach() for n, p in model.named_parameters() if "ln_" in n or "wpe" in n
+                  or n.endswith("c_proj.bias")}
+    # Attention dropout on this rank's heads: masks must differ across ranks.
+    with model.parallel_context.rng.split():
+        mask = torch.nn.functional.dropout(torch.ones(64), p=0.5, training=True)
+    return replicated, mask
+
+
+def test_dropout_keeps_replicated_parameters_identical(lm_checkpoint):
+    (replicated_0, mask_0), (replicated_1, mask_1) = run_distributed(_dropout_training, 2, lm_checkpoint)
+    assert replicated_0.keys() == replicated_1.keys() and len(replicated_0) > 8
+    for name, value in replicated_0.items():
+        assert torch.equal(value, replicated_1[name]), f"{name} drifted apart across tp ranks"
+    assert not torch.equal(mask_0, mask_1)
+
+
+def _clip(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    batch = _global_batch()[0]
+    model(input_ids=batch, labels=batch).loss.backward()
+    norm = model.clip_grad_norm_(0.5)
+    inf_norm = oslo.clip_grad_norm_(model, 1e9, norm_type=float("inf"))
+    return norm, inf_norm, full_params(model)["transformer.h.1.mlp.c_fc.weight"]
+
+
+def test_clip_grad_norm_counts_every_parameter_once(lm_checkpoint):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    batch = _global_batch()[0]
+    reference(input_ids=batch, labels=batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    expected_inf = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type=float("inf"))
+    for tp in (1, 2, 4):
+        for norm, inf_norm, _ in run_distributed(_clip, tp, lm_checkpoint):
+            torch.testing.assert_close(norm, expected)
+            torch.testing.assert_close(inf_norm, expected_inf)
+
+
+def _mpu(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
+    mpu = model.mpu
+    return dict(
+        tp=(mpu.get_tensor_parallel_rank(), mpu.get_tensor_parallel_world_size()),
+        dp=(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
+        pp=(mpu.get_pipeline_parallel_rank(), mpu.get_pipeline_parallel_world_size()),
+        mp=(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
+        megatron=(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()),
+        tp_peers=dist.get_process_group_ranks(mpu.get_tensor_parallel_group()),
+        dp_peers=dist.get_process_group_ranks(mpu.get_data_parallel_group()),
+        mp_peers=dist.get_process_group_ranks(mpu.get_model_parallel_group()),
+    )
+
+
+def test_mpu_accessors(lm_checkpoint):
+    info = run_distributed(_mpu, 4, lm_checkpoint)
+    assert [i["tp"] for i in info] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [i["dp"] for i in info] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all(i["pp"] == (0, 1) for i in info)
+    assert [i["mp"] for i in info] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [i["megatron"] for i in info] == [i["tp"] for i in info]
+    assert [i["tp_peers"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [i["dp_peers"] for i in info] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [i["mp_peers"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
