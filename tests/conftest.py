@@ -9,3 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Import the heavy modules once here: forked ranks inherit them instead of importing them again.
+import transformers  # noqa: E402
+from transformers.models.gpt2 import modeling_gpt2  # noqa: E402,F401
+
+import oslo  # noqa: E402,F401
+
+transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
