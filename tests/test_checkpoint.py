@@ -189,3 +189,20 @@ def _dtype_and_overrides(rank, world_size, path):
 
 def test_dtype_and_config_overrides(lm_checkpoint):
     run_distributed(_dtype_and_overrides, 2, lm_checkpoint)
+
+
+def _plain_save_refused(rank, world_size, path, target):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    with pytest.raises(RuntimeError, match="save_pretrained_with_parallel"):
+        model.save_pretrained(target)
+
+
+def test_transformers_entry_points(lm_checkpoint, tmp_path):
+    # Unsplit, the transformers methods work as usual...
+    model = oslo.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    torch.testing.assert_close(model(INPUT_IDS).logits, _reference_logits(lm_checkpoint))
+    model.save_pretrained(tmp_path / "plain")
+    torch.testing.assert_close(_reference_logits(str(tmp_path / "plain")), _reference_logits(lm_checkpoint))
+    # ...split, save_pretrained would write a shard under full names: refused.
+    run_distributed(_plain_save_refused, 2, lm_checkpoint, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()

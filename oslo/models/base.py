@@ -287,6 +287,18 @@ class OsloPreTrainedModel(PreTrainedModel):
         return parallel_context
 
     # ---- saving ------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, for unsplit models only (use
+        :meth:`save_pretrained_with_parallel` otherwise)."""
+        context = self.parallel_context
+        if context.tensor_parallel_size * context.pipeline_parallel_size > 1:
+            raise RuntimeError(
+                "save_pretrained would write this rank's shard under the full model's names. Call "
+                "save_pretrained_with_parallel(save_directory, save_with_merging=True) on every rank for a "
+                "plain transformers checkpoint (or without save_with_merging for a split one)."
+            )
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def save_pretrained_with_parallel(
         self,
         save_directory: str | os.PathLike,

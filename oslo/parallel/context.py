@@ -122,23 +122,27 @@ class ParallelContext:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
         self.device = self._default_device()
-        grid = torch.arange(world_size).view(self.data_parallel_size, pp, tp)
-        dp_index, pp_index, tp_index = (int(i) for i in (grid == self.rank).nonzero()[0])
-        self.tensor_parallel_rank = tp_index
-        self.pipeline_parallel_rank = pp_index
-        self.data_parallel_rank = dp_index
-        self.model_parallel_rank = pp_index * tp + tp_index
+        # Grid (data, pipeline, tensor), tensor fastest: rank = (d * pp + p) * tp + t.
+        dp = self.data_parallel_size
 
-        self._tp_ranks = grid[dp_index, pp_index, :].tolist()
-        self._pp_ranks = grid[dp_index, :, tp_index].tolist()
-        self._dp_ranks = grid[:, pp_index, tp_index].tolist()
-        self._mp_ranks = grid[dp_index].flatten().tolist()
-        self.tensor_parallel_group = self._new_groups([grid[d, p, :] for d in range(grid.size(0))
-                                                       for p in range(pp)])
-        self.pipeline_parallel_group = self._new_groups([grid[d, :, t] for d in range(grid.size(0))
-                                                         for t in range(tp)])
-        self.data_parallel_group = self._new_groups([grid[:, p, t] for p in range(pp) for t in range(tp)])
-        self.model_parallel_group = self._new_groups([grid[d].flatten() for d in range(grid.size(0))])
+        def rank_of(d: int, p: int, t: int) -> int:
+            return (d * pp + p) * tp + t
+
+        self.data_parallel_rank, rest = divmod(self.rank, pp * tp)
+        self.pipeline_parallel_rank, self.tensor_parallel_rank = divmod(rest, tp)
+        self.model_parallel_rank = rest
+        d, p, t = self.data_parallel_rank, self.pipeline_parallel_rank, self.tensor_parallel_rank
+        self._tp_ranks = [rank_of(d, p, i) for i in range(tp)]
+        self._dp_ranks = [rank_of(i, p, t) for i in range(dp)]
+        self._mp_ranks = [rank_of(d, 0, 0) + i for i in range(pp * tp)]
+        self.tensor_parallel_group = self._new_groups(
+            [[rank_of(i, j, k) for k in range(tp)] for i in range(dp) for j in range(pp)])
+        self.pipeline_parallel_group = self._new_groups(
+            [[rank_of(i, j, k) for j in range(pp)] for i in range(dp) for k in range(tp)])
+        self.data_parallel_group = self._new_groups(
+            [[rank_of(i, j, k) for i in range(dp)] for j in range(pp) for k in range(tp)])
+        self.model_parallel_group = self._new_groups(
+            [[rank_of(i, 0, 0) + j for j in range(pp * tp)] for i in range(dp)])
         self.world_group = dist.group.WORLD if dist.is_initialized() else None
 
         if seed is None:
@@ -151,13 +155,12 @@ class ParallelContext:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _new_groups(self, rank_lists: list[torch.Tensor]) -> dist.ProcessGroup | None:
+    def _new_groups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         """Create one group per rank list (every rank creates all of them) and return this rank's."""
         if not dist.is_initialized():
             return None
         mine = None
         for ranks in rank_lists:
-            ranks = ranks.tolist()
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
@@ -166,7 +169,7 @@ class ParallelContext:
     def _broadcast_seed(self, seed: int) -> int:
         if not dist.is_initialized() or self.world_size == 1:
             return seed
-        value = torch.tensor([seed], dtype=torch.int64)
+        value = torch.tensor([seed], dtype=torch.int64, device=self.device)
         dist.broadcast(value, src=0)
         return int(value.item())
 
