@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from oslo.parallel.comm import barrier, gather_to_first, run_on_all_ranks
+from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 
@@ -472,7 +472,7 @@ def save_merged(
     with _staging_directory(context, directory) as staging:
         if context.data_parallel_rank == 0:
             weight_map, total = {}, 0
-            for file_name, shard in zip(names, shards):
+            for file_name, shard in zip(names, shards, strict=True):
                 tensors = {}
                 for name, tensor, spec in shard:
                     if spec is None:

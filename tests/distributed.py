@@ -3,9 +3,10 @@
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes with the launcher's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so oslo initializes
 torch.distributed itself exactly as under ``torchrun``. It returns the per-rank results, raises the
-traceback of the lowest failing rank, and raises ``TimeoutError`` naming the ranks that did not finish in time. After a failure the other
-ranks get ``grace`` seconds (they may be stuck in a collective with the dead rank) before they are
-killed, so a failing rank fails the test quickly and never hangs it.
+traceback of the lowest failing rank, and raises ``TimeoutError`` naming the ranks that did not
+finish in time. After a failure the other ranks get ``grace`` seconds (they may be stuck in a
+collective with the dead rank) before they are killed, so a failing rank fails the test quickly and
+never hangs it.
 
 Forking is cheap (~0.1 s) because the parent has already imported torch and transformers; the
 parent keeps one torch thread (tests/conftest.py) so forked gloo workers do not hang.

@@ -14,8 +14,8 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
 from oslo.parallel.clip import clip_grad_norm_
-from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.comm import run_on_all_ranks
+from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.plan import ShardSpec, parameter_specs
 
 logger = logging.getLogger(__name__)

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.loss import causal_lm_loss
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
-from oslo.parallel.loss import causal_lm_loss
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
 
 
@@ -213,10 +213,9 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel(embedded, self.group)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, "
-            f"local rows [{self.vocab_start}, {self.vocab_end}) + {self.weight_spec.local_size - (self.vocab_end - self.vocab_start)} padding"
-        )
+        padding = self.weight_spec.local_size - (self.vocab_end - self.vocab_start)
+        rows = f"[{self.vocab_start}, {self.vocab_end})"
+        return f"{self.num_embeddings}, {self.embedding_dim}, local rows {rows} + {padding} padding"
 
 
 class VocabParallelLMHead(ColumnParallelLinear):

@@ -10,8 +10,8 @@ independent mask, as in the unsplit model.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 

@@ -46,11 +46,11 @@ def _lm_parity(rank, world_size, path, attn_implementation):
     torch.testing.assert_close(actual.logits, expected.logits)
     torch.testing.assert_close(actual.loss, expected.loss)
     assert len(actual.hidden_states) == len(expected.hidden_states)
-    for ours, theirs in zip(actual.hidden_states, expected.hidden_states):
+    for ours, theirs in zip(actual.hidden_states, expected.hidden_states, strict=True):
         torch.testing.assert_close(ours, theirs)
     if attn_implementation == "eager":
         assert len(actual.attentions) == len(expected.attentions)
-        for ours, theirs in zip(actual.attentions, expected.attentions):
+        for ours, theirs in zip(actual.attentions, expected.attentions, strict=True):
             assert ours.shape == theirs.shape
             torch.testing.assert_close(ours, theirs)
     expected.loss.backward()
@@ -106,7 +106,8 @@ HEADS = {
 def _head_inputs(head):
     input_ids, attention_mask, labels = _batch()
     if head == "GPT2Model":
-        return dict(input_ids=input_ids, attention_mask=attention_mask), lambda out: out.last_hidden_state.square().mean()
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+        return inputs, lambda out: out.last_hidden_state.square().mean()
     if head == "GPT2DoubleHeadsModel":
         choices = input_ids.view(3, 1, 12).expand(3, 2, 12).contiguous()
         inputs = dict(input_ids=choices, mc_token_ids=torch.tensor([[11, 10]] * 3), labels=choices,
