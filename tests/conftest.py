@@ -1,6 +1,7 @@
 """Test-wide setup: one torch thread, so forked gloo workers never inherit a busy thread pool."""
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -9,6 +10,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def _import_triton_in_interpreter_mode() -> None:
+    """Import triton with TRITON_INTERPRET=1 (its library functions are jitted at import), then restore
+    the environment: this process can run Triton kernels in the CPU interpreter when a test asks for
+    it, while every other test takes the torch paths. Must run before anything imports triton
+    (torch._dynamo, which transformers pulls in, does)."""
+    if "triton" in sys.modules or torch.cuda.is_available():
+        return
+    previous = os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+        if previous is not None:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+_import_triton_in_interpreter_mode()
 
 # Import the heavy modules once here: forked ranks inherit them instead of importing them again.
 import transformers  # noqa: E402

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
+from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
@@ -68,11 +70,60 @@ class OsloPreTrainedModel(PreTrainedModel):
         with self.parallel_context.rng.replicated():
             return super().__call__(*args, **kwargs)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
         """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
-        the same tokens."""
+        the same tokens.
+
+        Args:
+            fused_no_repeat_ngram_blocking: Apply ``no_repeat_ngram_size`` with oslo's n-gram blocking
+                kernel (vectorized on CPU, Triton on CUDA) instead of transformers' processor. Bans
+                exactly the same tokens.
+            *args, **kwargs: As for transformers' ``generate``.
+        """
+        if fused_no_repeat_ngram_blocking:
+            generation_config = kwargs.get("generation_config") or self.generation_config
+            ngram_size = kwargs.get("no_repeat_ngram_size", generation_config.no_repeat_ngram_size)
+            if not ngram_size:
+                raise ValueError(
+                    "fused_no_repeat_ngram_blocking=True needs an n-gram size: pass no_repeat_ngram_size=n "
+                    "(n >= 1) as well, or set it in the generation config."
+                )
+            processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+            # In place saves a copy of the scores per step; unsafe only when the raw logits are returned.
+            keep_logits = kwargs.get("output_logits", generation_config.output_logits)
+            processors.append(FusedNoRepeatNGramLogitsProcessor(ngram_size, inplace=not keep_logits))
+            kwargs.update(logits_processor=processors, no_repeat_ngram_size=0)  # 0: transformers' own is off
         with self.parallel_context.rng.replicated():
             return super().generate(*args, **kwargs)
+
+    def fuse(self, modules: Iterable[type[nn.Module]] | None = None):
+        """Switch modules to oslo's fused kernels (Triton on CUDA, the torch reference on CPU).
+
+        Every module that has a ``fuse()`` method (for GPT2: ``GPT2MLP`` — bias + GeLU, bias + dropout +
+        residual — and ``GPT2Attention`` — scale + mask + softmax, bias + dropout + residual) switches
+        in place: parameters, names and checkpoints are unchanged, and so is the math.
+
+        Args:
+            modules: Classes to fuse, e.g. ``[GPT2MLP]``; ``None`` fuses all of them.
+
+        Returns:
+            The model itself, so that ``model = model.fuse()`` works.
+        """
+        fusable = {
+            type(m) for m in self.modules()
+            if not isinstance(m, OsloPreTrainedModel) and callable(getattr(m, "fuse", None))
+        }
+        selected = fusable if modules is None else set(modules)
+        unknown = selected - fusable
+        if unknown:
+            raise ValueError(
+                f"cannot fuse {sorted(c.__name__ for c in unknown)}: {type(self).__name__} has fusable modules "
+                f"{sorted(c.__name__ for c in fusable)}; pass some of those, or nothing to fuse them all."
+            )
+        for module in self.modules():
+            if type(module) in selected:
+                module.fuse()
+        return self
 
     def gpu_modules(self) -> nn.Module:
         """The module holding this rank's parameters, to wrap in ``DistributedDataParallel``."""

@@ -35,6 +35,7 @@ from transformers.models.gpt2.modeling_gpt2 import (
     eager_attention_forward,
 )
 
+from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
 from oslo.models.base import OsloPreTrainedModel
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
@@ -47,6 +48,9 @@ from oslo.parallel.mappings import gather_from_tensor_parallel
 
 
 class GPT2Attention(nn.Module):
+    """Causal self-attention over this rank's heads. ``fuse()`` switches scale + mask + softmax and
+    bias + dropout + residual to oslo's fused kernels (Triton on CUDA, torch reference on CPU)."""
+
     def __init__(self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext) -> None:
         super().__init__()
         self.config = config
@@ -59,6 +63,7 @@ class GPT2Attention(nn.Module):
             self.scaling /= float(layer_idx + 1)
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.fused = False
 
         # c_attn is [q | k | v] along its output: each rank takes its heads of each of the three.
         self.c_attn = ColumnParallelLinear(
@@ -70,14 +75,19 @@ class GPT2Attention(nn.Module):
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
+    def fuse(self) -> None:
+        self.fused = True
+
     def forward(
         self,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor,
         past_key_values: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
         batch, length, _ = hidden_states.shape
         query, key, value = self.c_attn(hidden_states).chunk(3, dim=-1)  # 3 x (B, T, nh_local * hs)
         query = query.view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
@@ -87,24 +97,41 @@ class GPT2Attention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)  # (B, nh_local, T_past + T, hs)
 
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
         dropout = self.attn_dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
         with self.rng.split() if dropout > 0 else nullcontext():
-            attn_output, attn_weights = attention(
-                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-            )
+            if self.fused:
+                attn_output, attn_weights = self._fused_attention(query, key, value, attention_mask, dropout)
+            else:
+                attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                    self.config._attn_implementation, eager_attention_forward
+                )
+                attn_output, attn_weights = attention(
+                    self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+                )
         attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
-        attn_output = self.resid_dropout(self.c_proj(attn_output))
+        if self.fused:
+            out = self.c_proj(attn_output, skip_bias_add=True)
+            hidden_states = bias_dropout_add(out, self.c_proj.bias, residual, self.resid_dropout.p, self.training)
+        else:
+            hidden_states = residual + self.resid_dropout(self.c_proj(attn_output))
 
         if output_attentions and attn_weights is not None:
             attn_weights = gather_from_tensor_parallel(attn_weights, self.tensor_parallel_group, dim=1)
-        return attn_output, attn_weights
+        return hidden_states, attn_weights
+
+    def _fused_attention(self, query, key, value, attention_mask, dropout):
+        scores = query @ key.transpose(-1, -2)  # (B, nh_local, T, T_past + T)
+        # Without a mask (sdpa's causal fast path) the kernel applies causality itself.
+        probs = scaled_masked_softmax(scores, attention_mask, self.scaling, causal=attention_mask is None)
+        probs = nn.functional.dropout(probs, p=dropout, training=self.training)
+        return (probs @ value).transpose(1, 2), probs  # (B, T, nh_local, hs)
 
 
 class GPT2MLP(nn.Module):
+    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + GeLU and
+    bias + dropout + residual to oslo's fused kernels."""
+
     def __init__(self, intermediate_size: int, config: GPT2Config, parallel_context: ParallelContext) -> None:
         super().__init__()
         embed_dim = config.hidden_size
@@ -114,12 +141,25 @@ class GPT2MLP(nn.Module):
         self.c_proj = RowParallelLinear(
             intermediate_size, embed_dim, parallel_context=parallel_context, transposed=True
         )
+        self.activation_function = config.activation_function
         self.act = ACT2FN[config.activation_function]
         self.dropout = nn.Dropout(config.resid_pdrop)
+        self.fused = False
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def fuse(self) -> None:
+        # Refuses activations the fused kernel does not compute exactly (never changes the math).
+        self.gelu_approximation = gelu_approximation_for_activation(self.activation_function)
+        self.fused = True
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Return ``residual + mlp(hidden_states)``."""
+        if self.fused:
+            hidden_states = self.c_fc(hidden_states, skip_bias_add=True)  # (B, T, inner_local)
+            hidden_states = bias_gelu(hidden_states, self.c_fc.bias, self.gelu_approximation)
+            out = self.c_proj(hidden_states, skip_bias_add=True)  # (B, T, C)
+            return bias_dropout_add(out, self.c_proj.bias, residual, self.dropout.p, self.training)
         hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
-        return self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+        return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
 
 
 class GPT2Block(nn.Module):
@@ -140,15 +180,15 @@ class GPT2Block(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn_output, attn_weights = self.attn(
+        hidden_states, attn_weights = self.attn(
             self.ln_1(hidden_states),
+            residual=hidden_states,
             past_key_values=past_key_values,
             attention_mask=attention_mask,
             output_attentions=output_attentions,
             **kwargs,
         )
-        hidden_states = hidden_states + attn_output
-        hidden_states = hidden_states + self.mlp(self.ln_2(hidden_states))
+        hidden_states = self.mlp(self.ln_2(hidden_states), residual=hidden_states)
         return hidden_states, attn_weights
 
 

@@ -83,9 +83,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False) -> torch.Tensor:
+        """``x @ W_local (+ b_local)``; ``skip_bias_add=True`` leaves the bias to the caller (a fused
+        bias + activation kernel)."""
         x = copy_to_tensor_parallel(x, self.group)
-        out = _linear(x, self.weight, self.bias, self.transposed)
+        out = _linear(x, self.weight, None if skip_bias_add else self.bias, self.transposed)
         if self.gather_output:
             out = gather_from_tensor_parallel(out, self.group, dim=-1)
             if self.weight_spec.kind == VOCAB and out.size(-1) != self.out_features:
@@ -146,13 +148,16 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False) -> torch.Tensor:
+        """Sum over ranks of ``x_local @ W_local``, plus the bias unless ``skip_bias_add=True`` leaves it
+        to the caller (a fused bias + dropout + residual kernel)."""
+        bias = None if skip_bias_add else self.bias
         if self.single_rank:
-            return _linear(x, self.weight, self.bias, self.transposed)
+            return _linear(x, self.weight, bias, self.transposed)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group, dim=-1)
         out = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.transposed), self.group)
-        return out + self.bias if self.bias is not None else out
+        return out + bias if bias is not None else out
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,297 @@
+"""Fused scale + mask + softmax over attention scores ``[batch, heads, q_len, k_len]``.
+
+Three parts, as for every oslo kernel:
+
+1. Triton kernels: one program per score row; the forward reads the row once (plus the mask) and
+   writes the probabilities; the backward reads probabilities and output gradient once.
+2. ``_ScaledMaskedSoftmaxFunction``: the ``torch.autograd.Function`` launching them.
+3. ``scaled_masked_softmax`` / ``FusedScaleMaskSoftmax``: thin entry points; on CPU tensors (or
+   without Triton) they run ``scaled_masked_softmax_reference``, written with plain torch ops.
+
+Mask semantics (transformers 5)
+-------------------------------
+* ``mask=None, causal=False``: plain ``softmax(scores * scale)``.
+* ``causal=True``: query ``i`` attends keys ``j <= i + (k_len - q_len)``; the causal block is aligned to
+  the bottom right, so with a KV cache the ``q_len`` new queries sit at the end of the key sequence
+  (transformers' ``causal_mask_function`` with ``q_offset = k_len - q_len``). This is also what sdpa's
+  ``is_causal`` means when transformers skips building a mask. Combines with either mask kind below.
+* boolean mask (``transformers.masking_utils.sdpa_mask``, what the default sdpa path gets): ``True``
+  means *attend*. Broadcastable to the scores, e.g. ``[batch, 1, q_len, k_len]``.
+* floating mask (``transformers.masking_utils.eager_mask``, what the eager path gets): *added* to the
+  scaled scores; ``0`` attends, ``torch.finfo(dtype).min`` (or ``-inf``) masks.
+
+Precision: as in transformers' eager attention, ``scores * scale`` is rounded to the scores' dtype and
+``+ mask`` to the promoted dtype of scores and mask; the softmax itself (max, exp, sum, normalize)
+runs in fp32 and the probabilities are returned in the scores' dtype. In fp32 this is the eager
+result up to float reassociation.
+
+Fully masked rows (a left-padded query that sees only padding, or ``q_len > k_len`` under ``causal``):
+
+* with a boolean mask or ``causal``: the row is all zeros, forward and backward, as in
+  ``torch.nn.functional.scaled_dot_product_attention`` (whose math kernel uses a "safe" softmax).
+* with an additive ``finfo.min`` mask: every score becomes ``finfo.min`` (the addition saturates in
+  fp16/bf16, and ``min + s`` rounds back to ``min`` in fp32), so the row is uniform, ``1 / k_len`` per
+  key: exactly what the eager path computes. We do not special-case this; it falls out of matching the
+  eager rounding.
+* with an additive ``-inf`` mask: zeros (eager would produce NaN; sdpa produces zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oslo.kernels._triton import HAS_TRITON, next_power_of_2, num_warps_for, tl, triton_kernel, use_triton
+
+__all__ = ["FusedScaleMaskSoftmax", "scaled_masked_softmax", "scaled_masked_softmax_reference"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_inputs(scores: torch.Tensor, mask: torch.Tensor | None) -> None:
+    if scores.dim() != 4:
+        raise ValueError(
+            f"scores of shape {tuple(scores.shape)} must be 4-D [batch, heads, q_len, k_len]; reshape "
+            "other layouts before calling the fused softmax."
+        )
+    if not scores.is_floating_point():
+        raise ValueError(
+            f"scores dtype {scores.dtype} is not floating point; pass fp32, fp16 or bf16 scores."
+        )
+    if mask is None:
+        return
+    if mask.dim() != 4:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} must be 4-D, broadcastable to the scores "
+            f"{tuple(scores.shape)} (e.g. [batch, 1, q_len, k_len] from transformers.masking_utils); add the "
+            "missing dims with "
+            "mask[:, None, None, :] for a [batch, k_len] padding mask."
+        )
+    for dim, (m, s) in enumerate(zip(mask.shape, scores.shape, strict=True)):
+        if m not in (1, s):
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to scores {tuple(scores.shape)} "
+                f"(dim {dim}: {m} vs {s}); each mask dim must be 1 or equal the scores dim."
+            )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"mask dtype {mask.dtype} is neither bool (True = attend) nor floating (additive); convert it, "
+            "e.g. mask.bool() for a 0/1 keep-mask."
+        )
+
+
+def scaled_masked_softmax_reference(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Torch path: ``softmax(scores * scale [+ mask])`` with transformers' mask semantics.
+
+    See the module docstring for the mask kinds and fully masked rows. Differentiable w.r.t. ``scores``.
+
+    Args:
+        scores: ``[batch, heads, q_len, k_len]`` attention scores (``q @ k^T``).
+        mask: None, a boolean mask (True = attend) or an additive floating mask, broadcastable to scores.
+        scale: multiplier applied to the scores before masking (e.g. ``head_dim ** -0.5``).
+        causal: additionally mask keys after each query (bottom-right aligned).
+
+    Returns:
+        Attention probabilities shaped and typed like ``scores``.
+    """
+    _check_inputs(scores, mask)
+    logits = scores * scale
+    if mask is not None and mask.dtype != torch.bool:
+        logits = logits + mask
+    logits = logits.float()
+    if causal:
+        q_len, k_len = scores.shape[-2:]
+        rows = torch.arange(q_len, device=scores.device).unsqueeze(-1) + (k_len - q_len)
+        logits = logits.masked_fill(torch.arange(k_len, device=scores.device) > rows, float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    row_max = logits.amax(dim=-1, keepdim=True)
+    # A row masked everywhere has max -inf: shift by 0 instead, so exp() gives 0 rather than NaN.
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max).detach()
+    exp = torch.exp(logits - row_max)
+    denominator = exp.sum(dim=-1, keepdim=True)
+    denominator = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return (exp / denominator).to(scores.dtype)
+
+
+if HAS_TRITON:
+
+    @triton_kernel
+    def _scaled_masked_softmax_forward_kernel(
+        scores_ptr,
+        mask_ptr,
+        out_ptr,
+        heads,
+        q_len,
+        k_len,
+        mask_stride_batch,
+        mask_stride_head,
+        mask_stride_q,
+        mask_stride_k,
+        scale,
+        MASK_KIND: tl.constexpr,  # 0: none, 1: boolean (stored as uint8), 2: additive
+        ROUND_SUM: tl.constexpr,  # round scores * scale + mask to the scores' dtype, like eager does
+        CAUSAL: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        q_index = row % q_len
+        head = (row // q_len) % heads
+        batch = row // (q_len * heads)
+        cols = tl.arange(0, BLOCK_K)
+        in_range = cols < k_len
+
+        scores = tl.load(scores_ptr + row * k_len + cols, mask=in_range, other=0.0).to(tl.float32)
+        logits = (scores * scale).to(scores_ptr.dtype.element_ty).to(tl.float32)
+        keep = in_range
+        if MASK_KIND != 0:
+            mask_offsets = (
+                batch * mask_stride_batch
+                + head * mask_stride_head
+                + q_index * mask_stride_q
+                + cols * mask_stride_k
+            )
+            if MASK_KIND == 1:
+                keep = keep & (tl.load(mask_ptr + mask_offsets, mask=in_range, other=0) != 0)
+            else:
+                logits += tl.load(mask_ptr + mask_offsets, mask=in_range, other=0.0).to(tl.float32)
+                if ROUND_SUM:
+                    logits = logits.to(scores_ptr.dtype.element_ty).to(tl.float32)
+        if CAUSAL:
+            keep = keep & (cols <= q_index + (k_len - q_len))
+        logits = tl.where(keep, logits, float("-inf"))
+
+        row_max = tl.max(logits, axis=0)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        exp = tl.exp(logits - row_max)
+        denominator = tl.sum(exp, axis=0)
+        inverse = tl.where(denominator > 0.0, 1.0 / denominator, 0.0)
+        tl.store(out_ptr + row * k_len + cols, (exp * inverse).to(out_ptr.dtype.element_ty), mask=in_range)
+
+    @triton_kernel
+    def _scaled_masked_softmax_backward_kernel(
+        grad_out_ptr,
+        probs_ptr,
+        grad_in_ptr,
+        k_len,
+        scale,
+        BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        in_range = cols < k_len
+        probs = tl.load(probs_ptr + row * k_len + cols, mask=in_range, other=0.0).to(tl.float32)
+        grad_out = tl.load(grad_out_ptr + row * k_len + cols, mask=in_range, other=0.0).to(tl.float32)
+        # d softmax: p * (g - sum(p * g)); the scale comes from d(scores * scale) / d scores.
+        grad_in = scale * probs * (grad_out - tl.sum(probs * grad_out, axis=0))
+        tl.store(grad_in_ptr + row * k_len + cols, grad_in.to(grad_in_ptr.dtype.element_ty), mask=in_range)
+
+
+class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
+    """Forward: one kernel per row computing ``softmax(mask(scores * scale))``.
+    Backward: one kernel per row computing ``scale * p * (g - sum(p * g))``. The mask gets no gradient."""
+
+    @staticmethod
+    def forward(
+        ctx, scores: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool
+    ) -> torch.Tensor:
+        scores = scores.contiguous()
+        batch, heads, q_len, k_len = scores.shape
+        probs = torch.empty_like(scores)
+        block_k = next_power_of_2(k_len)
+        if mask is None:
+            mask_kind, mask_arg, strides, round_sum = 0, scores, (0, 0, 0, 0), False
+        else:
+            expanded = mask.expand(batch, heads, q_len, k_len)
+            strides = expanded.stride()
+            if mask.dtype == torch.bool:
+                mask_kind, mask_arg, round_sum = 1, expanded.view(torch.uint8), False
+            else:
+                mask_kind, mask_arg = 2, expanded
+                promoted = torch.promote_types(scores.dtype, mask.dtype)
+                round_sum = promoted == scores.dtype and scores.dtype in _LOW_PRECISION
+        if probs.numel() > 0:
+            _scaled_masked_softmax_forward_kernel[(batch * heads * q_len,)](
+                scores,
+                mask_arg,
+                probs,
+                heads,
+                q_len,
+                k_len,
+                *strides,
+                float(scale),
+                MASK_KIND=mask_kind,
+                ROUND_SUM=round_sum,
+                CAUSAL=causal,
+                BLOCK_K=block_k,
+                num_warps=num_warps_for(block_k),
+            )
+        ctx.save_for_backward(probs)
+        ctx.scale = float(scale)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_in = torch.empty_like(probs)
+        k_len = probs.shape[-1]
+        block_k = next_power_of_2(k_len)
+        if probs.numel() > 0:
+            _scaled_masked_softmax_backward_kernel[(probs.numel() // k_len,)](
+                grad_out, probs, grad_in, k_len, ctx.scale, BLOCK_K=block_k, num_warps=num_warps_for(block_k)
+            )
+        return grad_in, None, None, None
+
+
+def scaled_masked_softmax(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Fused ``softmax(scores * scale [+ mask])``: Triton on CUDA, the torch reference on CPU.
+
+    Mask kinds, precision and fully masked rows are described in the module docstring.
+
+    Args:
+        scores: ``[batch, heads, q_len, k_len]`` attention scores (``q @ k^T``), fp32, fp16 or bf16.
+        mask: None; a boolean mask, True = attend (sdpa-style); or a floating mask added to the scaled
+            scores (eager-style). Broadcastable to ``scores``, e.g. ``[batch, 1, q_len, k_len]``.
+        scale: multiplier applied to the scores first (e.g. ``head_dim ** -0.5``, or 1.0 for GPT-Neo).
+        causal: additionally mask keys after each query (bottom-right aligned: ``j <= i + k_len - q_len``).
+
+    Returns:
+        Attention probabilities shaped and typed like ``scores``; differentiable w.r.t. ``scores``.
+    """
+    _check_inputs(scores, mask)
+    tensors = (scores,) if mask is None else (scores, mask)
+    if not use_triton(*tensors):
+        return scaled_masked_softmax_reference(scores, mask, scale, causal)
+    return _ScaledMaskedSoftmaxFunction.apply(scores, mask, scale, causal)
+
+
+class FusedScaleMaskSoftmax(nn.Module):
+    """Module form of :func:`scaled_masked_softmax` with a fixed scale and causality.
+
+    Args:
+        scale: multiplier applied to the scores before masking.
+        causal: whether to apply the (bottom-right aligned) causal mask.
+    """
+
+    def __init__(self, scale: float = 1.0, causal: bool = False) -> None:
+        super().__init__()
+        self.scale = scale
+        self.causal = causal
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Return ``softmax(scores * scale [+ mask])`` over the last dim."""
+        return scaled_masked_softmax(scores, mask, self.scale, self.causal)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, causal={self.causal}"

@@ -1,0 +1,210 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
+
+from oslo.kernels import FusedScaleMaskSoftmax, scaled_masked_softmax, scaled_masked_softmax_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _scores(shape, dtype=torch.float32, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(shape, generator=generator)).to(device=device, dtype=dtype).requires_grad_()
+
+
+def _left_padded_masks(batch, q_len, k_len, dtype):
+    """transformers' sdpa (bool) and eager (additive) causal masks for a left-padded batch.
+
+    Row 0 is unpadded; row 1 has 3 pad tokens, so its first 3 queries see only padding (fully masked).
+    The queries are the last q_len positions (as with a KV cache).
+    """
+    attention_mask = torch.ones(batch, k_len, dtype=torch.bool)  # as create_causal_mask passes it on
+    attention_mask[1, :3] = False
+    kwargs = {
+        "batch_size": batch,
+        "q_length": q_len,
+        "kv_length": k_len,
+        "q_offset": k_len - q_len,
+        "mask_function": causal_mask_function,
+        "attention_mask": attention_mask,
+    }
+    boolean = sdpa_mask(allow_is_causal_skip=False, **kwargs)
+    additive = eager_mask(dtype=dtype, **kwargs)
+    return boolean, additive
+
+
+# ----------------------------------------------------------------------------- torch path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [6, 2])
+def test_reference_equals_transformers_eager_attention(dtype, q_len):
+    """The eager path: softmax(scores * scale + additive mask), including fully masked (padded) rows."""
+    batch, heads, k_len, scale = 2, 3, 6, 0.37
+    scores = _scores((batch, heads, q_len, k_len), dtype)
+    _, additive = _left_padded_masks(batch, q_len, k_len, dtype)
+    out = scaled_masked_softmax(scores, additive, scale)
+    expected = F.softmax(scores * scale + additive, dim=-1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    else:  # eager's half-precision softmax also computes in fp32: identical up to the final rounding
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=torch.finfo(dtype).eps)
+    if q_len == k_len:  # padded row 1 starts with 3 fully masked queries: eager makes them uniform
+        torch.testing.assert_close(
+            out[1, :, :3].float(), torch.full((heads, 3, k_len), 1 / k_len), rtol=0, atol=1e-3
+        )
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    (got,) = torch.autograd.grad(out, scores, grad)
+    (want,) = torch.autograd.grad(expected, scores, grad)
+    tolerance = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("q_len", [6, 2])
+def test_reference_equals_sdpa_with_boolean_mask(q_len):
+    """The sdpa path: boolean mask (True = attend); fully masked rows give zeros, forward and backward."""
+    batch, heads, k_len, head_dim = 2, 3, 6, 4
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=generator) for n in (q_len, k_len, k_len))
+    q.requires_grad_()
+    boolean, _ = _left_padded_masks(batch, q_len, k_len, torch.float32)
+    scale = head_dim**-0.5
+
+    out = scaled_masked_softmax(q @ k.transpose(-1, -2), boolean, scale) @ v
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=boolean, scale=scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, q, grad)[0], torch.autograd.grad(expected, q, grad)[0], rtol=1e-5, atol=1e-6
+    )
+    if q_len == k_len:
+        assert torch.equal(out[1, :, :3], torch.zeros(heads, 3, head_dim))
+
+
+@pytest.mark.parametrize("q_len, k_len", [(5, 5), (2, 7), (7, 4)])
+def test_causal_flag_is_bottom_right_aligned(q_len, k_len):
+    scores = _scores((2, 2, q_len, k_len))
+    keep = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
+    out = scaled_masked_softmax(scores, None, 0.5, causal=True)
+    assert torch.equal(out, scaled_masked_softmax(scores, keep[None, None], 0.5))
+    if q_len > k_len:  # the first q_len - k_len queries see no key at all
+        assert torch.equal(out[:, :, : q_len - k_len], torch.zeros(2, 2, q_len - k_len, k_len))
+
+
+def test_causal_flag_equals_sdpa_is_causal():
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 6, 4, generator=generator) for _ in range(2))
+    identity = torch.eye(6).expand(2, 3, 6, 6)  # value = identity: sdpa returns its attention weights
+    weights = F.scaled_dot_product_attention(q, k, identity, is_causal=True, scale=0.5)
+    torch.testing.assert_close(
+        scaled_masked_softmax(q @ k.transpose(-1, -2), None, 0.5, causal=True), weights
+    )
+
+
+def test_fully_masked_rows_without_nan():
+    scores = _scores((1, 2, 3, 5))
+    boolean = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    boolean[0, 0, 1] = False
+    minus_inf = torch.zeros(1, 1, 3, 5).masked_fill(~boolean, float("-inf"))
+    finfo_min = torch.zeros(1, 1, 3, 5).masked_fill(~boolean, torch.finfo(torch.float32).min)
+    for mask, row in [
+        (boolean, torch.zeros(5)),
+        (minus_inf, torch.zeros(5)),
+        (finfo_min, torch.full((5,), 0.2)),
+    ]:
+        out = scaled_masked_softmax(scores, mask)
+        (grad,) = torch.autograd.grad(out, scores, torch.ones_like(out).cumsum(-1))
+        assert not out.isnan().any() and not grad.isnan().any()
+        torch.testing.assert_close(out[0, :, 1], row.expand(2, 5))
+        if row.sum() == 0:
+            assert torch.equal(grad[0, :, 1], torch.zeros(2, 5))
+
+
+def test_broadcast_padding_mask_and_module_form():
+    scores = _scores((2, 3, 4, 5))
+    padding = torch.tensor([[True, True, True, False, False], [True] * 5])[:, None, None, :]
+    module = FusedScaleMaskSoftmax(scale=0.5, causal=False)
+    out = module(scores, padding)
+    assert torch.equal(out, scaled_masked_softmax_reference(scores, padding.expand(2, 3, 4, 5), 0.5))
+    assert torch.equal(out[0, ..., 3:], torch.zeros(3, 4, 2))
+    assert "scale=0.5" in repr(module)
+
+
+def test_bad_arguments_name_the_problem():
+    scores = _scores((2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"scores of shape \(3, 4, 5\) must be 4-D"):
+        scaled_masked_softmax(scores[0])
+    with pytest.raises(ValueError, match=r"does not broadcast.*dim 3: 4 vs 5"):
+        scaled_masked_softmax(scores, torch.ones(2, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 5\) must be 4-D"):
+        scaled_masked_softmax(scores, torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask dtype torch.int64"):
+        scaled_masked_softmax(scores, torch.ones(2, 1, 4, 5, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- Triton
+
+MASK_CASES = [
+    "none",
+    "causal",
+    "bool",
+    "bool+causal",
+    "eager-min+causal",
+    "additive-inf",
+    "padding-broadcast",
+]
+
+
+def _mask_for(case, batch, q_len, k_len, dtype, device):
+    boolean, additive = _left_padded_masks(batch, q_len, k_len, dtype)
+    if case in ("none", "causal"):
+        return None, case == "causal"
+    if case == "bool":
+        return boolean.to(device), False
+    if case == "bool+causal":
+        return boolean.to(device), True
+    if case == "eager-min+causal":
+        return additive.to(device), True
+    if case == "additive-inf":  # fp32 mask on any scores dtype: promotion keeps the sum in fp32
+        return torch.zeros(boolean.shape).masked_fill(~boolean, float("-inf")).to(device), False
+    padding = torch.ones(batch, 1, 1, k_len, dtype=torch.bool)
+    padding[0, ..., -2:] = False
+    return padding.to(device), False
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_triton_matches_reference(triton_device, assert_close_for_dtype, dtype, case):
+    batch, heads, q_len, k_len, scale = 2, 2, 5, 7, 0.3  # non-powers of two; row 1 has masked rows
+    scores = _scores((batch, heads, q_len, k_len), dtype, triton_device)
+    mask, causal = _mask_for(case, batch, q_len, k_len, dtype, triton_device)
+    out = scaled_masked_softmax(scores, mask, scale, causal)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    (grad_scores,) = torch.autograd.grad(out, scores, grad)
+
+    expected = scaled_masked_softmax_reference(scores, mask, scale, causal)
+    (expected_grad,) = torch.autograd.grad(expected, scores, grad)
+    assert out.dtype == dtype
+    assert_close_for_dtype(out, expected, dtype, "forward")
+    assert_close_for_dtype(grad_scores, expected_grad, dtype, "grad scores")
+    assert not out.isnan().any() and not grad_scores.isnan().any()
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("q_len, k_len", [(7, 4), (1, 1000)])
+def test_triton_causal_shapes(triton_device, assert_close_for_dtype, q_len, k_len):
+    """More queries than keys (fully masked leading rows), and one decode step over a long odd cache."""
+    scores = _scores((1, 2, q_len, k_len), torch.float32, triton_device)
+    out = scaled_masked_softmax(scores, None, 0.125, causal=True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    expected = scaled_masked_softmax_reference(scores, None, 0.125, causal=True)
+    assert_close_for_dtype(out, expected, torch.float32, "forward")
+    assert_close_for_dtype(
+        torch.autograd.grad(out, scores, grad)[0],
+        torch.autograd.grad(expected, scores, grad)[0],
+        torch.float32,
+    )
