@@ -2,6 +2,13 @@
 
 from transformers import GPT2Config
 
+from oslo.data import (
+    DatasetBlender,
+    DatasetForCausalLM,
+    DatasetPreprocessor,
+    DistributedProxySampler,
+    InfiniteDataLoader,
+)
 from oslo.models import (
     GPT2MLP,
     GPT2Attention,
@@ -31,5 +38,10 @@ __all__ = [
     "GPT2ForTokenClassification",
     "GPT2ForQuestionAnswering",
     "ParallelContext",
+    "DatasetPreprocessor",
+    "DatasetForCausalLM",
+    "DatasetBlender",
+    "DistributedProxySampler",
+    "InfiniteDataLoader",
     "clip_grad_norm_",
 ]

@@ -77,7 +77,7 @@ def run_distributed(
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, kwargs, child_conn), daemon=True)
+        proc = ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, kwargs, child_conn), daemon=False)
         proc.start()
         child_conn.close()
         procs.append(proc)
