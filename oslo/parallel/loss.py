@@ -1,8 +1,8 @@
 """Cross entropy over vocabulary-split logits.
 
-Each rank holds the logits of its vocabulary slice. The loss needs only three all-reduces of
-``batch x seq``-sized tensors (the row max, the target logit and the exp-sum): full logits are never
-gathered.
+Each rank holds the logits of its vocabulary slice. The loss needs two all-reduces of
+``batch x seq``-sized tensors (the row max; then the target logit and the exp-sum, stacked into one):
+full logits are never gathered.
 """
 
 from __future__ import annotations

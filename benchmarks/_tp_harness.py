@@ -1,0 +1,311 @@
+"""Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs.
+
+Imported by the scripts in this folder (``python benchmarks/<name>.py`` puts the folder on
+``sys.path``). Importing it pins the parent process to one torch thread *before* any torch work, so
+ranks forked from it never inherit a busy OpenMP pool (forked gloo workers hang otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import platform
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from transformers import GPT2Config
+
+torch.set_num_threads(1)
+transformers.utils.logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching ranks
+# ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, threads, args, conn) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(threads)
+    try:
+        conn.send(("ok", fn(rank, world_size, *args)))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        os._exit(0)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1, timeout: float = 600.0,
+           env: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes; return their results.
+
+    Each process gets the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, ...) so oslo
+    initializes gloo itself, and ``threads`` torch threads. With ``world_size=1`` and ``env=False``
+    the child is a plain process (no launcher variables), as a user's single-process run would be.
+    """
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        target = _worker if env else _plain_worker
+        proc = ctx.Process(target=target, args=(fn, rank, world_size, port, threads, args, child_conn),
+                           daemon=True)
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            waiting = [c for r, c in enumerate(conns) if r not in results]
+            for conn in mp.connection.wait(waiting, timeout=remaining):
+                rank = conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "error", f"exited without a result (exit code {procs[rank].exitcode})"
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=5)
+        for conn in conns:
+            conn.close()
+    return [results[rank] for rank in range(world_size)]
+
+
+def _plain_worker(fn, rank, world_size, port, threads, args, conn) -> None:
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    torch.set_num_threads(threads)
+    try:
+        conn.send(("ok", fn(rank, world_size, *args)))
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+class WorkerGroup:
+    """Long-lived forked ranks that keep their state between timed commands.
+
+    ``setup(rank, world_size, *args)`` runs once in each rank and returns ``handle(command)``;
+    :meth:`call` sends a command to every rank and returns their results. Keeping several groups
+    alive and alternating commands between them interleaves configurations in time, so that other
+    load on the machine hits all of them alike.
+    """
+
+    def __init__(self, setup: Callable[..., Callable[[Any], Any]], world_size: int, *args: Any,
+                 threads: int = 1, env: bool = True, timeout: float = 600.0) -> None:
+        ctx = mp.get_context("fork")
+        port = _free_port()
+        self.timeout = timeout
+        self.procs, self.conns = [], []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_group_worker, daemon=True,
+                               args=(setup, rank, world_size, port, threads, env, args, child_conn))
+            proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        self._collect()
+
+    def _collect(self) -> list[Any]:
+        results = []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(self.timeout):
+                self.close()
+                raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f} s")
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                status, payload = "error", f"exited (exit code {self.procs[rank].exitcode})"
+            if status == "error":
+                self.close()
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results.append(payload)
+        return results
+
+    def call(self, command: Any) -> list[Any]:
+        for conn in self.conns:
+            conn.send(command)
+        return self._collect()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+
+
+def _group_worker(setup, rank, world_size, port, threads, env, args, conn) -> None:
+    if env:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+    else:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
+    torch.set_num_threads(threads)
+    try:
+        handle = setup(rank, world_size, *args)
+        conn.send(("ok", None))
+        while (command := conn.recv()) is not None:
+            conn.send(("ok", handle(command)))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+def gpt2_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0,
+                **overrides) -> GPT2Config:
+    """A GPT2 config of the published shapes (vocab 50257, 1024 positions); ``n_layer`` may be reduced."""
+    shapes = {"small": (768, 12, 12), "medium": (1024, 24, 16)}
+    n_embd, layers, n_head = shapes[size]
+    values = {
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": n_embd, "n_layer": n_layer or layers,
+        "n_head": n_head, "tie_word_embeddings": True, "resid_pdrop": dropout, "embd_pdrop": dropout,
+        "attn_pdrop": dropout, "bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": 50256,
+    }
+    values.update(overrides)
+    return GPT2Config(**values)
+
+
+def describe(config: GPT2Config) -> str:
+    return (f"n_embd={config.n_embd} n_layer={config.n_layer} n_head={config.n_head} "
+            f"vocab={config.vocab_size} n_positions={config.n_positions}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def fmt_times(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+def proc_status(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``...)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in fields:
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (peak RSS) to its current RSS (Linux >= 4.0); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy (any process) over the next ``seconds``, from /proc/stat."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    total, idle = sample()
+    time.sleep(seconds)
+    total2, idle2 = sample()
+    return 1.0 - (idle2 - idle) / max(1, total2 - total)
+
+
+def header(title: str) -> None:
+    load = os.getloadavg()
+    busy = cpu_busy()
+    print(f"== {title}")
+    print(f"   {datetime.date.today()} | {platform.processor() or platform.machine()} | "
+          f"{os.cpu_count()} CPUs | torch {torch.__version__} | load average {load[0]:.2f} | "
+          f"CPUs busy before start {busy:.0%}")
+    if busy > 0.1:
+        print("   note: other processes are using the CPUs: timings are noisier (and parallel speed-ups "
+              "lower) than on an idle machine.")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"

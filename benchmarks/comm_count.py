@@ -1,0 +1,350 @@
+"""Count the collectives of one GPT2 training step (forward + backward) under tensor parallelism.
+
+Claim (issue 2, "Benchmarks / Communication"): per GPT2 block exactly 2 all-reduces forward and 2
+backward (the Megatron minimum), plus 1 for the embedding and at most 3 small (batch x seq sized)
+for the loss; nothing else. Counted by wrapping ``torch.distributed``, printed with bytes.
+
+How it counts, on every rank:
+
+* every public collective of ``torch.distributed`` is wrapped; a call is recorded with its API
+  name, the bytes of this rank's input tensor(s), the phase (forward / backward) and the module it
+  ran in (forward: the innermost module whose ``forward`` is running; backward: the module whose
+  output gradient arrived last, set by tensor hooks on module outputs), plus the oslo source line
+  that made the call;
+* independently, a ``TorchDispatchMode`` counts the ``c10d.*`` operators that reach the process
+  group, so a collective issued some other way (a ``from torch.distributed import ...`` alias,
+  DTensor, a C++ path) would still show up as a mismatch.
+
+The step is ``GPT2LMHeadModel(input_ids, labels=labels, gather_logits=False)`` then
+``loss.backward()``, in training mode (dropout on). A second step with ``gather_logits=True`` counts
+the logits all-gather that a user asks for when they want the full logits back.
+
+Run: ``python benchmarks/comm_count.py`` (tp 2 and 4, 2 layers of gpt2-small width);
+options: ``--tp 2 4 --n-layer 2 --batch 2 --seq 64 --size small|medium``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import re
+import sys
+import traceback
+
+import _tp_harness as bench
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import oslo
+
+COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "_all_gather_base", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "_reduce_scatter_base", "reduce", "broadcast", "gather", "scatter",
+    "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list", "monitored_barrier",
+)
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _input_of(name: str, args, kwargs):
+    """The tensor(s) this rank contributes to the collective (what its bytes are counted from)."""
+    if name in ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+                "all_to_all", "all_to_all_single"):
+        # (output, input, ...): count the input.
+        return args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+    return args[0] if args else kwargs.get("tensor")
+
+
+def _numel(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_numel(v) for v in value)
+    return 0
+
+
+def _shape(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "x".join(str(s) for s in value.shape) or "scalar"
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return f"{len(value)}*[{_shape(value[0])}]"
+    return "-"
+
+
+def _oslo_caller() -> str:
+    """``file:function`` of the innermost oslo frame that led to the collective, looking past the
+    generic wrappers of ``mappings.py`` when a caller outside them is on the stack (in forward)."""
+    frames = []
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        match = re.search(r"(oslo/[\w/]+\.py)$", frame.filename.replace("\\", "/"))
+        if match:
+            frames.append(f"{match.group(1)}:{frame.name}")
+    outside = [f for f in frames if not f.startswith("oslo/parallel/mappings.py")]
+    return outside[0] if outside else frames[-1] if frames else "?"
+
+
+class CommCounter:
+    """Wraps torch.distributed collectives and attributes each call to a phase and a module."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.phase: str | None = None  # None: not recording
+        self.module_stack: list[str] = []
+        self.backward_module = "?"
+        self._depth = 0
+        self._originals: dict[str, object] = {}
+
+    # -- wrapping ---------------------------------------------------------------------------
+    def install(self) -> None:
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, original))
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            # Collectives built from others (all_gather_object -> all_gather) count once, at the top.
+            if self.phase is not None and self._depth == 0:
+                tensor = _input_of(name, args, kwargs)
+                module = self.module_stack[-1] if self.phase == "forward" else self.backward_module
+                group = kwargs.get("group")
+                is_tensor = isinstance(tensor, torch.Tensor)
+                self.records.append({
+                    "phase": self.phase, "op": name, "module": module or "<model>",
+                    "bytes": _tensor_bytes(tensor), "numel": _numel(tensor), "shape": _shape(tensor),
+                    "dtype": str(tensor.dtype).removeprefix("torch.") if is_tensor else "-",
+                    "caller": _oslo_caller(), "group_size": dist.get_world_size(group),
+                })
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        return wrapper
+
+    # -- module attribution -----------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(functools.partial(self._enter, name))
+            module.register_forward_hook(functools.partial(self._leave, name))
+
+    def _enter(self, name, module, args):
+        self.module_stack.append(name)
+
+    def _leave(self, name, module, args, output):
+        self.module_stack.pop()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if hasattr(first, "last_hidden_state"):
+            first = first.last_hidden_state
+        if isinstance(first, torch.Tensor) and first.requires_grad and self.phase == "forward":
+            first.register_hook(functools.partial(self._grad_arrived, name))
+
+    def _grad_arrived(self, name, grad):
+        self.backward_module = name
+
+
+class C10dOpCounter(TorchDispatchMode):
+    """Counts the c10d operators that reach a process group, whatever Python API issued them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _region(module: str, caller: str) -> str:
+    match = re.match(r"transformer\.h\.(\d+)(?:\.|$)", module)
+    if match:
+        return f"block {match.group(1)}"
+    if module.startswith("transformer.wte"):
+        return "embedding"
+    if "loss.py" in caller:
+        return "loss"
+    if caller.endswith(":gather"):
+        return "logits gather"
+    if module.startswith("lm_head"):
+        return "lm head"
+    return f"other ({module} {caller})"
+
+
+def _step(model, input_ids, labels, counter: CommCounter, gather_logits: bool) -> tuple[dict, float]:
+    model.zero_grad(set_to_none=True)
+    mode = C10dOpCounter()
+    with mode:
+        counter.phase = "forward"
+        out = model(input_ids, labels=labels, gather_logits=gather_logits)
+        forward_ops = sum(mode.ops.values())
+        counter.phase = "backward"
+        out.loss.backward()
+        counter.phase = None
+    c10d = {"forward": forward_ops, "backward": sum(mode.ops.values()) - forward_ops}
+    return c10d, out.loss.item()
+
+
+def rank_main(rank: int, world_size: int, config, batch: int, seq: int) -> dict:
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
+    model.train()
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    counter = CommCounter()
+    counter.attach(model)
+    counter.install()
+    try:
+        # Warm-up step (not recorded) so lazy initializations cannot pollute the count.
+        out = model(input_ids, labels=input_ids, gather_logits=False)
+        out.loss.backward()
+        runs = {}
+        for gather_logits in (False, True):
+            counter.records = []
+            c10d, loss = _step(model, input_ids, input_ids, counter, gather_logits)
+            runs[gather_logits] = {"records": counter.records, "c10d": c10d, "loss": loss}
+    finally:
+        counter.uninstall()
+    return runs
+
+
+def _summarize(records: list[dict]) -> dict:
+    """(region, phase) -> list of records."""
+    table: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+    for record in records:
+        table[(_region(record["module"], record["caller"]), record["phase"])].append(record)
+    return table
+
+
+def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) -> bool:
+    runs = runs_per_rank[0]
+    same = all(
+        [(r["op"], r["bytes"], r["phase"], r["module"]) for r in other[g]["records"]]
+        == [(r["op"], r["bytes"], r["phase"], r["module"]) for r in runs[g]["records"]]
+        for other in runs_per_rank for g in (False, True)
+    )
+    records = runs[False]["records"]
+    table = _summarize(records)
+    tokens = batch * seq
+    print(f"\n-- tp={tp}: {describe_run(config, batch, seq)}; loss {runs[False]['loss']:.4f}; "
+          f"all ranks recorded identical calls: {same}")
+    print(f"   {'region':<14} {'phase':<9} {'calls':>5}  {'op':<16} {'bytes/call (this rank)':>24}  "
+          f"{'shape':<14} where")
+    for (region, phase), recs in sorted(table.items(), key=lambda kv: _order(kv[0])):
+        groups = collections.Counter((r["op"], r["bytes"], r["shape"], r["dtype"], r["caller"]) for r in recs)
+        for (op, nbytes, shape, dtype, caller), count in groups.items():
+            print(f"   {region:<14} {phase:<9} {count:>5}  {op:<16} {nbytes:>15,d} ({dtype:<7}) "
+                  f"{shape:<14} {caller}")
+
+    checks = []
+    blocks = range(config.n_layer)
+    for phase in ("forward", "backward"):
+        counts = [len(table.get((f"block {i}", phase), [])) for i in blocks]
+        ops = {r["op"] for i in blocks for r in table.get((f"block {i}", phase), [])}
+        ok = all(c == 2 for c in counts) and ops <= {"all_reduce"}
+        text = f"per block {phase}: {counts} calls, ops {sorted(ops)} (target exactly 2 all_reduce)"
+        checks.append((text, ok))
+    embed_fwd = table.get(("embedding", "forward"), [])
+    embed_bwd = table.get(("embedding", "backward"), [])
+    embed_ok = len(embed_fwd) == 1 and embed_fwd[0]["op"] == "all_reduce" and not embed_bwd
+    embed_text = f"embedding: {len(embed_fwd)} forward + {len(embed_bwd)} backward (target 1 all_reduce + 0)"
+    checks.append((embed_text, embed_ok))
+    head_fwd = table.get(("lm head", "forward"), [])
+    head_bwd = table.get(("lm head", "backward"), [])
+    head_ok = not head_fwd and len(head_bwd) <= 1 and all(r["op"] == "all_reduce" for r in head_bwd)
+    head_text = (f"lm head (vocab-parallel, tied to wte): {len(head_fwd)} forward + {len(head_bwd)} backward "
+                 "(not in the issue's list; the Megatron minimum is 0 + 1: the gradient of the head's "
+                 "replicated input is a sum over the vocabulary shards)")
+    checks.append((head_text, head_ok))
+    loss = table.get(("loss", "forward"), []) + table.get(("loss", "backward"), [])
+    largest = max((r["numel"] for r in loss), default=0)
+    loss_text = (f"loss: {len(loss)} calls, largest {largest} elements = {largest / tokens:.1f} x batch*seq "
+                 "(target <= 3 calls, each <= 3 x batch*seq)")
+    checks.append((loss_text, len(loss) <= 3 and largest <= 3 * tokens))
+    known = {"embedding", "loss", "lm head"} | {f"block {i}" for i in blocks}
+    other = [r for (region, _), recs in table.items() if region not in known for r in recs]
+    checks.append((f"anything else: {len(other)} calls (target 0)", not other))
+    python_counts = {p: sum(1 for r in records if r["phase"] == p) for p in ("forward", "backward")}
+    c10d = runs[False]["c10d"]
+    checks.append((f"c10d operators seen by the dispatcher {c10d} == wrapped calls {python_counts}",
+                   c10d == python_counts))
+    checks.append(("every rank made the same calls", same))
+
+    claimed_fwd = 2 * config.n_layer + 1 + 3
+    claimed_bwd = 2 * config.n_layer
+    total_bytes = sum(r["bytes"] for r in records)
+    print(f"   totals: forward {python_counts['forward']} calls, backward {python_counts['backward']} calls, "
+          f"{total_bytes:,d} bytes contributed by this rank "
+          f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
+    print(f"   ratio forward calls / issue's bound (2 x {config.n_layer} blocks + 1 embedding + 3 loss = "
+          f"{claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
+    print(f"   ratio backward calls / issue's bound (2 x {config.n_layer} blocks = {claimed_bwd}): "
+          f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
+          f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
+
+    gathered = runs[True]["records"]
+    extra = [r for r in gathered if _region(r["module"], r["caller"]) == "logits gather"]
+    extra_ok = (len(gathered) == len(records) + 1 and len(extra) == 1 and extra[0]["op"] == "all_gather"
+                and extra[0]["phase"] == "forward")
+    full_logits = batch * seq * config.vocab_size * 4
+    if extra:
+        print(f"   gather_logits=True: {len(gathered)} calls in all; logits gather: "
+              + ", ".join(f"{r['phase']} {r['op']} {r['bytes']:,d} bytes/rank ({r['shape']})" for r in extra)
+              + f"; the full fp32 logits are {full_logits:,d} bytes")
+    checks.append(("gather_logits=True adds exactly 1 forward all_gather (the logits) and nothing else",
+                   extra_ok))
+    for text, ok in checks:
+        print(f"   [{bench.verdict(ok)}] {text}")
+    return all(ok for _, ok in checks)
+
+
+def describe_run(config, batch: int, seq: int) -> str:
+    return f"GPT2LMHeadModel {bench.describe(config)}, batch {batch} x seq {seq}, training mode"
+
+
+def _order(key: tuple[str, str]) -> tuple:
+    region, phase = key
+    match = re.match(r"block (\d+)", region)
+    rank = (0, 0) if region == "embedding" else (1, int(match.group(1))) if match else (2, 0)
+    return rank, phase != "forward"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--size", choices=["small", "medium"], default="small")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args(argv)
+    config = bench.gpt2_config(args.size, n_layer=args.n_layer, dropout=0.1)
+    bench.header("comm_count: collectives per forward + backward of GPT2LMHeadModel "
+                 "(labels, gather_logits=False)")
+    ok = True
+    for tp in args.tp:
+        runs = bench.launch(rank_main, tp, config, args.batch, args.seq)
+        ok &= _report(tp, runs, config, args.batch, args.seq)
+    print(f"\ncomm_count overall: {bench.verdict(ok)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
