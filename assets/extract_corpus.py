@@ -94,9 +94,9 @@ def _names(obj):
 def load_variable(base, name):
     with open(base + ".rdx", "rb") as f:
         index = _Reader(gzip.decompress(f.read())).item()
-    index = dict(zip(_names(index), index["values"]))
+    index = dict(zip(_names(index), index["values"], strict=True))
     variables = index["variables"]
-    entry = dict(zip(_names(variables), variables["values"]))[name]
+    entry = dict(zip(_names(variables), variables["values"], strict=True))[name]
     offset, length = entry["values"]
     with open(base + ".rdb", "rb") as f:
         f.seek(offset)
