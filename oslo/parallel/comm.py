@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -51,10 +50,6 @@ def run_on_all_ranks(context: ParallelContext, step: Callable[[], T], what: str)
     return result
 
 
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
 def gather_to_first(tensor: torch.Tensor, group, first_global_rank: int) -> list[torch.Tensor] | None:
     """Gather ``tensor`` from every rank of ``group`` onto its first rank (the others get ``None``)."""
     if group_size(group) == 1:
@@ -64,17 +59,3 @@ def gather_to_first(tensor: torch.Tensor, group, first_global_rank: int) -> list
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))] if is_first else None
     dist.gather(tensor, parts, dst=first_global_rank, group=group)
     return parts
-
-
-def barrier(context: ParallelContext) -> None:
-    if context.world_size > 1:
-        dist.barrier(group=context.world_group)
-
-
-def broadcast_object(context: ParallelContext, value: T) -> T:
-    """Rank 0's ``value`` on every rank."""
-    if context.world_size == 1:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]

@@ -186,10 +186,6 @@ class ParallelContext:
         """Global rank of the tensor-parallel peer ``tensor_parallel_rank`` of this rank."""
         return self._tp_ranks[tensor_parallel_rank]
 
-    def is_first_in(self, group_name: str) -> bool:
-        """Whether this rank is rank 0 of the named group ("tensor", "pipeline", "data", "model")."""
-        return getattr(self, f"{group_name}_parallel_rank") == 0
-
     # ---- Megatron / DeepSpeed mpu interface ----------------------------------------------------
     def get_tensor_parallel_rank(self) -> int:
         return self.tensor_parallel_rank

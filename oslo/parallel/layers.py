@@ -32,6 +32,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return out.view(out_shape)
 
 
+def _tensor_parallel(parallel_context: ParallelContext | None) -> tuple[object, int, int]:
+    """(group, size, rank) of the tensor-parallel group; a single rank without a context."""
+    if parallel_context is None:
+        return None, 1, 0
+    return (parallel_context.tensor_parallel_group, parallel_context.tensor_parallel_size,
+            parallel_context.tensor_parallel_rank)
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split across tensor-parallel ranks.
 
@@ -65,9 +73,7 @@ class ColumnParallelLinear(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group = parallel_context.tensor_parallel_group if parallel_context else None
-        world = parallel_context.tensor_parallel_size if parallel_context else 1
-        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.group, world, rank = _tensor_parallel(parallel_context)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.transposed = gather_output, transposed
         kind = VOCAB if pad_vocab else COLUMN
@@ -131,9 +137,7 @@ class RowParallelLinear(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group = parallel_context.tensor_parallel_group if parallel_context else None
-        world = parallel_context.tensor_parallel_size if parallel_context else 1
-        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.group, world, rank = _tensor_parallel(parallel_context)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.transposed = input_is_parallel, transposed
         self.single_rank = world == 1
@@ -191,9 +195,7 @@ class VocabParallelEmbedding(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group = parallel_context.tensor_parallel_group if parallel_context else None
-        world = parallel_context.tensor_parallel_size if parallel_context else 1
-        rank = parallel_context.tensor_parallel_rank if parallel_context else 0
+        self.group, world, rank = _tensor_parallel(parallel_context)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight_spec = ShardSpec(VOCAB, 0, num_embeddings, world, rank)
         self.parallel_specs = {"weight": self.weight_spec}
