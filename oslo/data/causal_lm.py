@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from oslo.data.indexed_dataset import BINARIZATION_IMPLS, IndexedDataset
+from oslo.data.indexed_dataset import IndexedDataset, check_binarization_impl
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ class DatasetForCausalLM(Dataset):
             raise ValueError(f"max_seq_length must be a positive int, got {max_seq_length!r}.")
         if split_type not in SPLIT_TYPES:
             raise ValueError(f"split_type={split_type!r} is not supported; use one of {list(SPLIT_TYPES)}.")
-        if binarization_impl not in BINARIZATION_IMPLS:
-            raise ValueError(
-                f"binarization_impl={binarization_impl!r} is not supported; "
-                f"use one of {list(BINARIZATION_IMPLS)}."
-            )
+        check_binarization_impl(binarization_impl)
         for name, value in (("start_weight", start_weight), ("end_weight", end_weight)):
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0 or math.isnan(value):
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}.")

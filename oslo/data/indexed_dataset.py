@@ -55,6 +55,14 @@ INDEX_VERSION = 1
 
 BINARIZATION_IMPLS = ("mmap", "lazy", "cached")
 
+
+def check_binarization_impl(binarization_impl: str) -> None:
+    """Raise ``ValueError`` unless ``binarization_impl`` is one of :data:`BINARIZATION_IMPLS`."""
+    if binarization_impl not in BINARIZATION_IMPLS:
+        raise ValueError(
+            f"binarization_impl={binarization_impl!r} is not supported; use one of {list(BINARIZATION_IMPLS)}."
+        )
+
 # Megatron-LM's numeric dtype codes (megatron/core/datasets/indexed_dataset.py, class DType).
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
@@ -128,11 +136,7 @@ class IndexedDatasetBuilder:
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype, binarization_impl: str = "mmap") -> None:
-        if binarization_impl not in BINARIZATION_IMPLS:
-            raise ValueError(
-                f"binarization_impl={binarization_impl!r} is not supported; "
-                f"use one of {list(BINARIZATION_IMPLS)}."
-            )
+        check_binarization_impl(binarization_impl)
         dtype = np.dtype(dtype)
         if dtype not in _CODE_OF_DTYPE:
             raise ValueError(
@@ -319,11 +323,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike, binarization_impl: str = "mmap") -> None:
-        if binarization_impl not in BINARIZATION_IMPLS:
-            raise ValueError(
-                f"binarization_impl={binarization_impl!r} is not supported; "
-                f"use one of {list(BINARIZATION_IMPLS)}."
-            )
+        check_binarization_impl(binarization_impl)
         self.prefix = normalize_prefix(prefix)
         self.binarization_impl = binarization_impl
         self._open()

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from oslo.data.indexed_dataset import (
-    BINARIZATION_IMPLS,
     IndexedDatasetBuilder,
     best_fitting_dtype,
+    check_binarization_impl,
     normalize_prefix,
 )
 
@@ -268,11 +268,7 @@ class DatasetPreprocessor:
         num_workers: int | None = None,
         start_method: str | None = None,
     ) -> None:
-        if binarization_impl not in BINARIZATION_IMPLS:
-            raise ValueError(
-                f"binarization_impl={binarization_impl!r} is not supported; "
-                f"use one of {list(BINARIZATION_IMPLS)}."
-            )
+        check_binarization_impl(binarization_impl)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (documents per chunk), got {chunk_size!r}.")
         if num_workers is None:
