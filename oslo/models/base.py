@@ -153,11 +153,18 @@ class OsloPreTrainedModel(PreTrainedModel):
             return ("zeros", 0.0)
         return ("normal", self._init_std(module_name))
 
+    def initialize_weights(self):
+        # transformers calls _init_weights once per module: name the modules once, not per call.
+        self._module_names = {id(m): n for n, m in self.named_modules()}
+        try:
+            super().initialize_weights()
+        finally:
+            del self._module_names
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         # Direct construction (``Model(config)``): initialize the local shards in place.
-        names = {id(m): n for n, m in self.named_modules()}
-        module_name = names.get(id(module), "")
+        module_name = self._module_names.get(id(module), "")
         for param_name, param in module.named_parameters(recurse=False):
             kind, std = self._init_rule(module_name, module, param_name)
             if kind == "normal":
