@@ -14,10 +14,13 @@ Timed, per step (one call on ``[64, history]`` ids and ``[64, 50257]`` fp32 scor
   (``_get_ngrams`` / ``_get_generated_ngrams``, still shipped in ``transformers.generation``), plus the
   ``scores.clone()`` and per-row ban of that version. This is the "about 60 ms per step" baseline.
 * ``oslo, copy``: ``no_repeat_ngram_block(ids, scores, 3)``; returns a modified copy of ``scores``.
+  On CPU tensors this runs oslo's NumPy path.
 * ``oslo, in place``: the same with ``inplace=True`` (what ``FusedNoRepeatNGramLogitsProcessor(3,
   inplace=True)`` does inside ``generate()`` when nobody else holds the scores tensor).
+* ``oslo torch path, in place``: ``no_repeat_ngram_block_reference(..., inplace=True)``, the torch
+  path that devices without Triton other than the CPU run; shown for comparison, not part of the claim.
 
-Before timing, all four are checked to ban exactly the same tokens. Histories are drawn from a
+Before timing, all five are checked to ban exactly the same tokens. Histories are drawn from a
 Zipf-like distribution over the vocabulary so that prefixes recur and tokens get banned, as in text.
 Runs alternate between the methods, so drift in machine load hits all of them; each figure is the
 median over ``--repeats`` rounds of ``--steps`` calls.
@@ -42,7 +45,7 @@ from transformers.generation.logits_process import (
     _get_ngrams,
 )
 
-from oslo.kernels import no_repeat_ngram_block
+from oslo.kernels import no_repeat_ngram_block, no_repeat_ngram_block_reference
 
 TARGET = 30.0
 
@@ -93,7 +96,7 @@ def per_step_ms(fn, steps: int) -> float:
 
 
 def measure(history: int, args: argparse.Namespace) -> bool:
-    """Check and time the four methods at one history length; return whether the claim holds."""
+    """Check and time the five methods at one history length; return whether the claim holds."""
     input_ids = zipf_history(args.rows, history, args.vocab, seed=history)
     scores = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0))
     inplace_scores = scores.clone()
@@ -104,6 +107,9 @@ def measure(history: int, args: argparse.Namespace) -> bool:
         "transformers 4 algorithm": lambda: hf4(input_ids, scores),
         "oslo, copy": lambda: no_repeat_ngram_block(input_ids, scores, args.ngram),
         "oslo, in place": lambda: no_repeat_ngram_block(input_ids, inplace_scores, args.ngram, inplace=True),
+        "oslo torch path, in place": lambda: no_repeat_ngram_block_reference(
+            input_ids, inplace_scores, args.ngram, inplace=True
+        ),
     }
     expected = methods["transformers 5 processor"]()
     for name, fn in methods.items():
@@ -125,8 +131,8 @@ def measure(history: int, args: argparse.Namespace) -> bool:
             f"(rounds: {', '.join(f'{t:.3f}' for t in times[name])})"
         )
     for baseline in ("transformers 5 processor", "transformers 4 algorithm"):
-        for ours in ("oslo, copy", "oslo, in place"):
-            print(f"   speed-up {ours:<15} vs {baseline:<25} {ms[baseline] / ms[ours]:8.1f}x (medians)")
+        for ours in ("oslo, copy", "oslo, in place", "oslo torch path, in place"):
+            print(f"   speed-up {ours:<26} vs {baseline:<25} {ms[baseline] / ms[ours]:8.1f}x (medians)")
     ok = True
     for baseline in ("transformers 5 processor", "transformers 4 algorithm"):
         ratio = ms[baseline] / ms["oslo, in place"]

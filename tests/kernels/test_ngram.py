@@ -37,14 +37,20 @@ def _legacy_bans(input_ids, ngram_size):
     return [_get_generated_ngrams(ngrams[row], input_ids[row], ngram_size, cur_len) for row in range(rows)]
 
 
+# On CPU tensors no_repeat_ngram_block runs the NumPy path; the reference is the torch path other
+# devices run (and the Triton tests' oracle): both are checked against transformers.
+IMPLEMENTATIONS = {"numpy (cpu)": no_repeat_ngram_block, "torch": no_repeat_ngram_block_reference}
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("ngram_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("cur_len", LENGTHS)
 @pytest.mark.parametrize("vocab, alphabet", [(11, 3), (50257, 5), (997, 997)])
-def test_bans_exactly_what_transformers_bans(ngram_size, cur_len, vocab, alphabet):
+def test_bans_exactly_what_transformers_bans(implementation, ngram_size, cur_len, vocab, alphabet):
     rows = 6
     input_ids = _history(rows, cur_len, alphabet, seed=cur_len * 10 + ngram_size)
     scores = _scores(rows, vocab, seed=1)
-    out = no_repeat_ngram_block(input_ids, scores, ngram_size)
+    out = IMPLEMENTATIONS[implementation](input_ids, scores, ngram_size)
     expected = NoRepeatNGramLogitsProcessor(ngram_size)(input_ids, scores)
     assert torch.equal(out, expected)
 
@@ -54,11 +60,12 @@ def test_bans_exactly_what_transformers_bans(ngram_size, cur_len, vocab, alphabe
     assert torch.equal(out, legacy)
 
 
-def test_ids_outside_the_vocab_ban_nothing():
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_ids_outside_the_vocab_ban_nothing(implementation):
     """An embedding larger than the LM head: such ids cannot be generated, transformers ignores them."""
     input_ids = torch.tensor([[5, 12, 5, 12, 5], [5, 3, 5, 3, 5]])
     scores = _scores(2, 10, seed=0)
-    out = no_repeat_ngram_block(input_ids, scores, 2)
+    out = IMPLEMENTATIONS[implementation](input_ids, scores, 2)
     assert torch.equal(out, NoRepeatNGramLogitsProcessor(2)(input_ids, scores))
     assert torch.isinf(out[0]).sum() == 0 and torch.isinf(out[1]).sum() == 1
 
@@ -75,12 +82,23 @@ def test_inplace_and_copy_semantics():
     assert torch.equal(no_repeat_ngram_block_reference(input_ids, original, 2), out)
 
 
-def test_non_contiguous_history():
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_non_contiguous_history(implementation):
     input_ids = _history(8, 30, 4, seed=3)[::2, 1:]
     scores = _scores(4, 13, seed=2)
     assert torch.equal(
-        no_repeat_ngram_block(input_ids, scores, 3), NoRepeatNGramLogitsProcessor(3)(input_ids, scores)
+        IMPLEMENTATIONS[implementation](input_ids, scores, 3), NoRepeatNGramLogitsProcessor(3)(input_ids, scores)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_narrow_integer_history(dtype):
+    """Token ids in a narrow dtype: banned ids index scores as ids, never as a boolean mask."""
+    input_ids = _history(4, 25, 3, seed=5).to(dtype)
+    scores = _scores(4, 7, seed=3)
+    expected = NoRepeatNGramLogitsProcessor(2)(input_ids.long(), scores)
+    assert torch.equal(no_repeat_ngram_block(input_ids, scores, 2), expected)
+    assert torch.equal(no_repeat_ngram_block(input_ids, scores.half(), 2), expected.half())
 
 
 @pytest.mark.parametrize("ngram_size", [0, -1, True, 2.0, None])
