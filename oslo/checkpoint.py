@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -280,6 +281,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
         source = _TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
     keys = source.keys()
     prefix = getattr(model, "base_model_prefix", "")
+    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
     used, missing = set(), []
 
     with torch.no_grad():
@@ -287,6 +289,8 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
             spec = specs[name]
             global_shape = spec.global_shape(param.shape) if spec is not None else tuple(param.shape)
             key = _resolve_key(name, keys, prefix)
+            if key is None and name in twins:  # lm_head.weight on the last stage: read the tied wte
+                key = _resolve_key(twins[name], keys, prefix)
             if key is None:
                 missing.append(name)
                 value = init_missing(name, spec, global_shape)
@@ -395,6 +399,46 @@ def _saved_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Sha
         yield name, param.detach(), specs[name]
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A saved tensor as every rank of the pipeline sees it: which stage holds it, global shape, dtype."""
+
+    stage: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    split: dict | None
+    tied_copy: bool  # a tie target whose source lives on another stage (GPT2's lm_head.weight)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * getattr(torch, self.dtype).itemsize
+
+
+def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
+    """The saved tensors of every pipeline stage, in stage order (the same list on every rank)."""
+    context: ParallelContext = model.parallel_context
+    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
+    targets = set(getattr(model, "_tied_weights_keys", None) or {})
+    mine = [
+        _Entry(
+            context.pipeline_parallel_rank, name, tuple(spec.global_shape(tensor.shape) if spec else tensor.shape),
+            str(tensor.dtype).removeprefix("torch."),
+            None if spec is None else {"kind": spec.kind, "dim": spec.dim, "chunks": spec.chunks},
+            name in twins and name in targets,
+        )
+        for name, tensor, spec in local
+    ]
+    if context.pipeline_parallel_size == 1:
+        return mine
+    stages: list[list[_Entry] | None] = [None] * context.pipeline_parallel_size
+    dist.all_gather_object(stages, mine, group=context.pipeline_parallel_group)
+    return [entry for stage in stages for entry in stage]
+
+
 def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool) -> None:
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     if safe_serialization:
@@ -415,31 +459,27 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
     """Each model-parallel rank (of data-parallel replica 0) writes its local tensors to its own file."""
     context: ParallelContext = model.parallel_context
     entries = list(_saved_parameters(model))
+    everything = _pipeline_entries(model, entries)
     with _staging_directory(context, directory) as staging:
         if context.data_parallel_rank == 0:
             name = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank, safe_serialization)
             _write({n: t for n, t, _ in entries}, os.path.join(staging, name), safe_serialization)
         if context.rank == 0:
             files = {
-                split_file_name(t, p, safe_serialization): [n for n, _, _ in entries]
+                split_file_name(t, p, safe_serialization): [e.name for e in everything if e.stage == p]
                 for p in range(context.pipeline_parallel_size)
                 for t in range(context.tensor_parallel_size)
             }
+            tied = _tied_keys(model)
+            tied.update({e.name: model._tied_weights_keys[e.name] for e in everything if e.tied_copy})
             index = {
                 "format": "oslo-split",
                 "version": 1,
                 "tensor_parallel_size": context.tensor_parallel_size,
                 "pipeline_parallel_size": context.pipeline_parallel_size,
-                "tensors": {
-                    n: {
-                        "shape": list(s.global_shape(t.shape) if s else t.shape),
-                        "dtype": str(t.dtype).removeprefix("torch."),
-                        "split": None if s is None else {"kind": s.kind, "dim": s.dim, "chunks": s.chunks},
-                    }
-                    for n, t, s in entries
-                },
+                "tensors": {e.name: {"shape": list(e.shape), "dtype": e.dtype, "split": e.split} for e in everything},
                 "files": files,
-                "tied": {k: v for k, v in _tied_keys(model).items()},
+                "tied": tied,
             }
             with open(os.path.join(staging, SPLIT_INDEX_NAME), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
@@ -467,10 +507,14 @@ def save_merged(
 ) -> None:
     """Write a plain Hugging Face checkpoint: every parameter gathered to rank 0, unpadded, unfused.
 
-    Gathering streams one shard file at a time, so rank 0 holds at most one shard's worth of tensors.
+    Tensor-parallel shards are gathered on their stage's first tensor-parallel rank, which sends the
+    full tensor on to rank 0 when the stage is not the first. Gathering streams one shard file at a
+    time, so rank 0 holds at most one shard's worth of tensors. Weights tied across stages are saved
+    once, as transformers does.
     """
     context: ParallelContext = model.parallel_context
-    entries = list(_saved_parameters(model))
+    local = {name: (tensor, spec) for name, tensor, spec in _saved_parameters(model)}
+    entries = [e for e in _pipeline_entries(model, list((n, t, s) for n, (t, s) in local.items())) if not e.tied_copy]
     shards = _plan_shards(entries, max_shard_size)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     stem, ext = weights_name.rsplit(".", 1)
@@ -480,21 +524,30 @@ def save_merged(
         else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
     )
     first_tp = context.tensor_parallel_global_rank(0)
+    writer = context.pipeline_parallel_global_rank(0) if context.tensor_parallel_rank == 0 else None
     with _staging_directory(context, directory) as staging:
         if context.data_parallel_rank == 0:
             weight_map, total = {}, 0
             for file_name, shard in zip(names, shards, strict=True):
                 tensors = {}
-                for name, tensor, spec in shard:
-                    if spec is None:
-                        full = tensor
-                    else:
-                        parts = gather_to_first(tensor, context.tensor_parallel_group, first_tp)
-                        full = spec.merge(parts) if parts is not None else None
+                for entry in shard:
+                    full = None
+                    if entry.stage == context.pipeline_parallel_rank:
+                        tensor, spec = local[entry.name]
+                        if spec is None:
+                            full = tensor
+                        else:
+                            parts = gather_to_first(tensor, context.tensor_parallel_group, first_tp)
+                            full = spec.merge(parts) if parts is not None else None
+                        if entry.stage != 0 and context.tensor_parallel_rank == 0:
+                            dist.send(full.contiguous(), writer)
+                    elif context.rank == 0:
+                        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
+                        dist.recv(full, context.pipeline_parallel_global_rank(entry.stage))
                     if context.rank == 0:
-                        tensors[name] = full
-                        weight_map[name] = file_name
-                        total += full.numel() * full.element_size()
+                        tensors[entry.name] = full
+                        weight_map[entry.name] = file_name
+                        total += entry.nbytes
                 if context.rank == 0:
                     _write(tensors, os.path.join(staging, file_name), safe_serialization)
             if context.rank == 0 and len(names) > 1:
@@ -506,18 +559,13 @@ def save_merged(
             _save_config(model, staging)
 
 
-def _plan_shards(entries, max_shard_size: int) -> list[list]:
+def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
     shards, current, current_size = [], [], 0
     for entry in entries:
-        _, tensor, spec = entry
-        numel = 1
-        for size in (spec.global_shape(tensor.shape) if spec else tensor.shape):
-            numel *= size
-        nbytes = numel * tensor.element_size()
-        if current and current_size + nbytes > max_shard_size:
+        if current and current_size + entry.nbytes > max_shard_size:
             shards.append(current)
             current, current_size = [], 0
         current.append(entry)
-        current_size += nbytes
+        current_size += entry.nbytes
     shards.append(current)
     return shards

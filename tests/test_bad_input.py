@@ -53,11 +53,9 @@ def test_missing_path():
         oslo.GPT2LMHeadModel.from_pretrained_with_parallel("/nonexistent/oslo-checkpoint")
 
 
-def _expect(rank, world_size, path, tp, error, fragments, pipeline_parallel_size=1):
+def _expect(rank, world_size, path, tp, error, fragments, model_class="GPT2LMHeadModel", **kwargs):
     with pytest.raises(error) as info:
-        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-            path, tensor_parallel_size=tp, pipeline_parallel_size=pipeline_parallel_size
-        )
+        getattr(oslo, model_class).from_pretrained_with_parallel(path, tensor_parallel_size=tp, **kwargs)
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
     return type(info.value).__name__
@@ -73,9 +71,22 @@ def test_sizes_must_divide_world(lm_checkpoint):
     run_distributed(_expect, 3, lm_checkpoint, 2, ValueError, ["= 2 must divide the world size 3"])
 
 
-def test_pipeline_not_yet_supported(lm_checkpoint):
-    run_distributed(_expect, 2, lm_checkpoint, 1, NotImplementedError, ["pipeline_parallel_size=2"],
-                    pipeline_parallel_size=2)
+def test_pipeline_not_yet_supported_by_other_heads(lm_checkpoint):
+    run_distributed(_expect, 2, lm_checkpoint, 1, NotImplementedError,
+                    ["GPT2ForSequenceClassification", "pipeline_parallel_size > 1", "(got 2)", "GPT2LMHeadModel does"],
+                    model_class="GPT2ForSequenceClassification", pipeline_parallel_size=2)
+
+
+def test_more_stages_than_layers(lm_checkpoint):
+    run_distributed(_expect, 3, lm_checkpoint, 1, ValueError,
+                    ["pipeline_parallel_size=3 exceeds the number of layers (2)", "pipeline_parallel_size <= 2"],
+                    pipeline_parallel_size=3)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (2.0, TypeError)])
+def test_micro_batch_size_must_be_positive_integer(lm_checkpoint, value, error):
+    with pytest.raises(error, match=f"micro_batch_size must be a positive integer.*{value}"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint, micro_batch_size=value)
 
 
 def _save_split(rank, world_size, source, target):

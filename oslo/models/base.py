@@ -37,12 +37,13 @@ def _resolve_dtype(dtype, torch_dtype) -> torch.dtype | str | None:
     raise ValueError(f"dtype={dtype!r} is not a torch dtype; pass e.g. dtype=torch.float16 or dtype='auto'.")
 
 
-def _validate_pipeline_size(pipeline_parallel_size: int) -> int:
+def _validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: int) -> int:
     pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
-    if pp > 1:
+    validate_parallel_size("micro_batch_size", micro_batch_size)
+    if pp > 1 and not cls._supports_pipeline_parallel:
         raise NotImplementedError(
-            f"pipeline_parallel_size={pp} is not supported yet (pipeline parallelism is the next oslo "
-            "capability); use pipeline_parallel_size=1 and tensor or data parallelism for now."
+            f"{cls.__name__} does not support pipeline_parallel_size > 1 yet (got {pp}); of the GPT2 classes "
+            "GPT2LMHeadModel does. Use pipeline_parallel_size=1 with tensor or data parallelism for this head."
         )
     return pp
 
@@ -54,9 +55,58 @@ class OsloPreTrainedModel(PreTrainedModel):
     construction ``Model(config)`` builds a single-rank model like transformers does.
     """
 
+    _supports_pipeline_parallel = False
+
     def __init__(self, config: PretrainedConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config)
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
+        self.micro_batch_size = 1
+
+    def set_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Rows per micro-batch of pipeline parallelism (no effect without it)."""
+        self.micro_batch_size = validate_parallel_size("micro_batch_size", micro_batch_size)
+
+    # ---- weights tied across pipeline stages ---------------------------------------------------
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # Under pipeline parallelism a tied pair may be split across stages (GPT2's wte on the first,
+        # lm_head on the last): only pairs held by this stage are tied by sharing the parameter; the
+        # others are kept equal by sync_tied_gradients.
+        keys = super().get_expanded_tied_weights_keys(all_submodels)
+        if self.parallel_context.pipeline_parallel_size == 1:
+            return keys
+        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
+        return {target: source for target, source in keys.items() if target in local and source in local}
+
+    def cross_stage_tied_weights(self) -> dict[str, str]:
+        """``{local parameter: the name of its tied twin on another stage}`` (empty without pipelines).
+
+        The twin of a tie target (``lm_head.weight``) is its source (``transformer.wte.weight``) and
+        vice versa. Checkpoints hold the source; both copies start equal and get the same gradients.
+        """
+        context = self.parallel_context
+        if context.pipeline_parallel_size == 1 or not getattr(self.config, "tie_word_embeddings", False):
+            return {}
+        local = {name for name, _ in self.named_parameters()}
+        twins = {}
+        for target, source in sorted((self._tied_weights_keys or {}).items()):
+            if target in local and source not in local:
+                twins[target] = source
+            elif source in local and target not in local:
+                twins[source] = target
+        return twins
+
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of weights tied across the first and last pipeline stage.
+
+        The pipeline schedule calls it after the last micro-batch's backward, so users do not.
+        """
+        group = self.parallel_context.embedding_group
+        parameters = dict(self.named_parameters())
+        for name in sorted(self.cross_stage_tied_weights()):  # the same order on both stages
+            param = parameters[name]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            torch.distributed.all_reduce(param.grad, group=group)
 
     # ---- parallel plumbing -------------------------------------------------------------------
     @property
@@ -183,8 +233,13 @@ class OsloPreTrainedModel(PreTrainedModel):
             return torch.ones(global_shape)
         if kind == "zeros":
             return torch.zeros(global_shape)
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        # A tie target on another stage than its source (lm_head.weight) starts as the source does.
+        seed_name = self.cross_stage_tied_weights().get(name, name) if name in self._tie_targets() else name
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
+
+    def _tie_targets(self) -> set[str]:
+        return set(self._tied_weights_keys or {}) if getattr(self.config, "tie_word_embeddings", False) else set()
 
     def _seeded_local_init(self, name: str, spec: ShardSpec | None, global_shape: tuple[int, ...]) -> torch.Tensor:
         full = self._seeded_global_init(name, global_shape, self.parallel_context.seed)
@@ -240,7 +295,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             The model, in training mode as transformers' ``from_config`` leaves it.
         """
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = _validate_pipeline_size(pipeline_parallel_size)
+        pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
@@ -300,7 +355,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             The model in evaluation mode, as transformers' ``from_pretrained`` returns it.
         """
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = _validate_pipeline_size(pipeline_parallel_size)
+        pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
         path = os.fspath(pretrained_model_name_or_path)
         checkpoint = ckpt.inspect_checkpoint(path)

@@ -45,6 +45,7 @@ from oslo.parallel.layers import (
     VocabParallelLMHead,
 )
 from oslo.parallel.mappings import gather_from_tensor_parallel
+from oslo.parallel.pipeline import StageLayers, StageLink, partition_layers, pipeline_schedule, split_micro_batches
 
 
 class GPT2Attention(nn.Module):
@@ -239,11 +240,17 @@ class GPT2Model(GPT2PreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.embed_dim = config.hidden_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
-        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
+        # its range of blocks, the final LayerNorm on the last.
+        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
+        layers = partition_layers(config.num_hidden_layers, context.pipeline_parallel_size)
+        self.wte = (
+            VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
+        )
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
         self.drop = nn.Dropout(config.embd_pdrop)
-        self.h = nn.ModuleList([GPT2Block(config, i, context) for i in range(config.num_hidden_layers)])
-        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.h = StageLayers({i: GPT2Block(config, i, context) for i in layers[context.pipeline_parallel_rank]})
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -265,8 +272,12 @@ class GPT2Model(GPT2PreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        stage_input: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        """As transformers' ``GPT2Model.forward``. Under pipeline parallelism, stages after the first
+        take the previous stage's output as ``stage_input`` (the inputs still give shapes and masks)
+        and only the last applies ``ln_f``."""
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
@@ -288,12 +299,15 @@ class GPT2Model(GPT2PreTrainedModel):
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)  # each rank caches its own heads
-        if inputs_embeds is None:
+        if stage_input is not None:  # a later pipeline stage: the mask is built from this stage's input
+            inputs_embeds = stage_input
+        elif inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+        if stage_input is None:
+            hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
 
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
@@ -304,9 +318,12 @@ class GPT2Model(GPT2PreTrainedModel):
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        if token_type_ids is not None:
-            hidden_states = hidden_states + self.wte(token_type_ids)
-        hidden_states = self.drop(hidden_states)
+        if stage_input is None:
+            if token_type_ids is not None:
+                hidden_states = hidden_states + self.wte(token_type_ids)
+            hidden_states = self.drop(hidden_states)
+        else:
+            hidden_states = stage_input
 
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
@@ -323,7 +340,8 @@ class GPT2Model(GPT2PreTrainedModel):
             )
             if output_attentions:
                 all_attentions += (attn_weights,)
-        hidden_states = self.ln_f(hidden_states)
+        if self.ln_f is not None:
+            hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -344,11 +362,16 @@ def _base_kwargs(kwargs: dict) -> dict:
 
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _supports_pipeline_parallel = True
 
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        self.transformer = GPT2Model(config, self.parallel_context)
-        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=self.parallel_context)
+        context = self.parallel_context
+        self.transformer = GPT2Model(config, context)
+        self.lm_head = (
+            VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context)
+            if context.is_pipeline_last_stage() else None
+        )
         self.post_init()
 
     def forward(
@@ -371,7 +394,33 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         The loss is computed on vocabulary-split logits (no gather). ``gather_logits=False`` skips the
         all-gather of the returned logits (``logits`` is then ``None``), for training loops that only
         use the loss.
+
+        Under pipeline parallelism, a call with ``labels`` while gradients are enabled returns a
+        generator of micro-batch outputs (see :func:`oslo.parallel.pipeline.pipeline_schedule`); any
+        other call runs the whole batch through the stages without gradients and returns the usual
+        output on every stage.
         """
+        if self.parallel_context.pipeline_parallel_size > 1:
+            if past_key_values is not None or use_cache:
+                raise NotImplementedError(
+                    "use_cache / past_key_values are not supported with pipeline_parallel_size > 1 yet; pass "
+                    "use_cache=False (generate() with pipeline parallelism is not supported yet either)."
+                )
+            if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+                raise NotImplementedError(
+                    "output_hidden_states / output_attentions are not supported with pipeline_parallel_size > 1 "
+                    "yet (each stage holds only its own layers)."
+                )
+            inputs = {
+                name: value
+                for name, value in dict(
+                    input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                    position_ids=position_ids, inputs_embeds=inputs_embeds,
+                ).items()
+                if value is not None
+            }
+            return self._pipeline_forward(inputs, labels, logits_to_keep, gather_logits, return_dict, kwargs)
+
         outputs = self.transformer(
             input_ids,
             past_key_values=past_key_values,
@@ -405,6 +454,72 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if return_dict else output.to_tuple()
+
+    def _stage(self, inputs: dict, received, labels, logits_to_keep, kwargs):
+        """This pipeline stage's part of the forward: hidden states to send on, or (loss, local logits)."""
+        hidden_states = self.transformer(
+            **inputs, use_cache=False, return_dict=True, stage_input=received, **_base_kwargs(kwargs)
+        ).last_hidden_state
+        if self.lm_head is None:
+            return hidden_states
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:, :]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[:, logits_to_keep, :]
+        local_logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.lm_head.causal_lm_loss(
+                local_logits, labels, num_items_in_batch=kwargs.get("num_items_in_batch")
+            )
+        return loss, local_logits
+
+    def _pipeline_forward(self, inputs, labels, logits_to_keep, gather_logits, return_dict, kwargs):
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+
+        def wrap(loss, logits):
+            output = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+            return output if return_dict else output.to_tuple()
+
+        if labels is not None and torch.is_grad_enabled():
+            micro_batches = split_micro_batches({**inputs, "labels": labels}, self.micro_batch_size)
+
+            def stage_forward(i, received):
+                micro = dict(micro_batches[i])
+                micro_labels = micro.pop("labels")
+                return self._stage(micro, received, micro_labels, logits_to_keep, kwargs)
+
+            return pipeline_schedule(
+                self.parallel_context,
+                len(micro_batches),
+                stage_forward,
+                micro_output=lambda result, loss: wrap(loss, None),
+                last_stage_loss=lambda result: result[0],
+                after_step=self.sync_tied_gradients,
+            )
+        return wrap(*self._pipeline_pass(
+            lambda received: self._stage(inputs, received, labels, logits_to_keep, kwargs),
+            has_loss=labels is not None,
+            gather_logits=gather_logits,
+        ))
+
+    def _pipeline_pass(self, stage, has_loss: bool, gather_logits: bool):
+        """Run the whole batch through the stages without gradients; every stage gets (loss, logits)."""
+        context = self.parallel_context
+        link = StageLink(context)
+        with torch.no_grad():
+            received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
+            result = stage(received)
+            loss = logits = None
+            if self.lm_head is None:
+                link.send(result, link.next)
+            else:
+                loss, local_logits = result
+                logits = self.lm_head.gather(local_logits) if gather_logits else None
+            loss = link.broadcast_from_last(loss) if has_loss else None
+            logits = link.broadcast_from_last(logits) if gather_logits else None
+            link.wait_all()
+        return loss, logits
 
 
 class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):

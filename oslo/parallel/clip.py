@@ -29,11 +29,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     context = model.parallel_context
     norm_type = float(norm_type)
     specs = parameter_specs(model)
-    grads_split, grads_replicated = [], []
+    # A weight tied across pipeline stages (GPT2's lm_head on the last stage, twin of wte on the first)
+    # has the same gradient on both: count it on the stage that holds the tie's source only.
+    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
+    copies = {name for name in twins if name in (getattr(model, "_tied_weights_keys", None) or {})}
+    grads_split, grads_replicated, grads_copies = [], [], []
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        (grads_split if specs[name] is not None else grads_replicated).append(param.grad)
+        if name in copies:
+            grads_copies.append(param.grad)
+        else:
+            (grads_split if specs[name] is not None else grads_replicated).append(param.grad)
 
     device = context.device
     replicated_counts = context.tensor_parallel_rank == 0
@@ -57,7 +64,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = total ** (1.0 / norm_type)
 
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grad in grads_split + grads_replicated:
+    for grad in grads_split + grads_replicated + grads_copies:
         grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
     return total
 

@@ -133,6 +133,7 @@ class ParallelContext:
         self.model_parallel_rank = rest
         d, p, t = self.data_parallel_rank, self.pipeline_parallel_rank, self.tensor_parallel_rank
         self._tp_ranks = [rank_of(d, p, i) for i in range(tp)]
+        self._pp_ranks = [rank_of(d, i, t) for i in range(pp)]
         self._dp_ranks = [rank_of(i, p, t) for i in range(dp)]
         self._mp_ranks = [rank_of(d, 0, 0) + i for i in range(pp * tp)]
         self.tensor_parallel_group = self._new_groups(
@@ -143,6 +144,10 @@ class ParallelContext:
             [[rank_of(i, j, k) for i in range(dp)] for j in range(pp) for k in range(tp)])
         self.model_parallel_group = self._new_groups(
             [[rank_of(i, 0, 0) + j for j in range(pp * tp)] for i in range(dp)])
+        # First and last stage of one pipeline: weights tied across them (GPT2's wte and lm_head) sum
+        # their gradients over this group.
+        self.embedding_group = self._new_groups(
+            [[rank_of(i, 0, k), rank_of(i, pp - 1, k)] for i in range(dp) for k in range(tp)]) if pp > 1 else None
         self.world_group = dist.group.WORLD if dist.is_initialized() else None
 
         if seed is None:
@@ -185,6 +190,21 @@ class ParallelContext:
     def tensor_parallel_global_rank(self, tensor_parallel_rank: int) -> int:
         """Global rank of the tensor-parallel peer ``tensor_parallel_rank`` of this rank."""
         return self._tp_ranks[tensor_parallel_rank]
+
+    # ---- pipeline stages --------------------------------------------------------------------------
+    def pipeline_parallel_global_rank(self, stage: int) -> int:
+        """Global rank of stage ``stage`` in this rank's pipeline (same data and tensor-parallel rank)."""
+        return self._pp_ranks[stage]
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
+
+    def get_embedding_group(self):
+        """Group of this pipeline's first and last stage (``None`` without pipeline parallelism)."""
+        return self.embedding_group
 
     # ---- Megatron / DeepSpeed mpu interface ----------------------------------------------------
     def get_tensor_parallel_rank(self) -> int:

@@ -1,0 +1,314 @@
+"""Pipeline parallelism: which blocks a stage holds, point-to-point transfers, and the 1F1B schedule.
+
+A model split into ``P`` stages runs a batch as ``M`` micro-batches. Training uses the 1F1B
+schedule as a generator: stage ``s`` first runs ``P - s - 1`` forward passes, then alternates one
+forward with one backward, and ends with the remaining backwards. Each *backward* is the user's
+``micro_output.loss.backward()`` between two ``next()`` calls of the generator, so the usual loop
+
+.. code-block:: python
+
+    for micro_output in model(input_ids=..., labels=...):
+        micro_output.loss.backward()
+
+drives the schedule. On every stage ``micro_output.loss`` carries the micro-batch's loss value (the
+last stage sends it back with the gradient), and its ``backward()`` runs this stage's part of the
+backward pass: the last stage backpropagates the loss, the others backpropagate the gradient received
+from the next stage.
+
+Transfers are ``isend`` (kept until the step ends) and blocking ``recv`` in the order of the 1F1B
+schedule, which cannot deadlock. Every tensor is preceded by a small header (dtype and shape), so the
+receiver never guesses shapes and a mismatch is an error, not a hang. Peers are the ranks with the
+same tensor- and data-parallel rank in the neighbouring stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oslo.parallel.context import ParallelContext
+
+__all__ = [
+    "PipelineAbortedError",
+    "StageLayers",
+    "StageLink",
+    "partition_layers",
+    "pipeline_schedule",
+    "split_micro_batches",
+]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+_MAX_DIMS = 8
+_ABORT = -1  # header code: the sender failed, a message follows instead of a tensor
+
+
+def partition_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced ranges of block indices, one per stage (earlier stages get the extra ones).
+
+    Raises:
+        ValueError: fewer blocks than stages (every stage needs at least one block).
+    """
+    if num_layers < num_stages:
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} exceeds the number of layers ({num_layers}): every stage "
+            f"needs at least one layer. Use pipeline_parallel_size <= {num_layers}."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        stop = start + base + (1 if stage < extra else 0)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+class StageLayers(nn.Module):
+    """The blocks of one pipeline stage, registered under their global indices.
+
+    Parameter names stay Hugging Face's (``h.5.attn.c_attn.weight`` on whichever stage holds block 5).
+    Iterating yields the blocks in order; ``layers[5]`` is block 5 (an ``IndexError`` names the stage
+    when block 5 lives elsewhere).
+    """
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        try:
+            return self._modules[str(int(index))]
+        except KeyError:
+            raise IndexError(
+                f"layer {index} is not on this pipeline stage, which holds layers {list(self._modules)}"
+            ) from None
+
+
+def split_micro_batches(inputs: dict[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
+    """Split every tensor of ``inputs`` along dim 0 into micro-batches of ``micro_batch_size`` rows.
+
+    Non-tensor values are passed to every micro-batch unchanged.
+
+    Raises:
+        ValueError: the batch size is not a multiple of ``micro_batch_size``, or tensors disagree on it.
+    """
+    sizes = {name: value.shape[0] for name, value in inputs.items() if isinstance(value, torch.Tensor)}
+    if not sizes:
+        raise ValueError("pipeline parallelism needs tensor inputs (input_ids or inputs_embeds) to split.")
+    batch_sizes = set(sizes.values())
+    if len(batch_sizes) != 1:
+        raise ValueError(f"inputs disagree on the batch size (dim 0): {sizes}; pass tensors of one batch.")
+    batch_size = batch_sizes.pop()
+    if micro_batch_size < 1 or batch_size % micro_batch_size != 0:
+        raise ValueError(
+            f"batch size {batch_size} is not a multiple of micro_batch_size={micro_batch_size}: pipeline "
+            "parallelism splits each batch into equal micro-batches. Use a batch size that micro_batch_size "
+            "divides, or change it with model.set_micro_batch_size(n)."
+        )
+    chunks = batch_size // micro_batch_size
+    split = {
+        name: value.split(micro_batch_size) if isinstance(value, torch.Tensor) else [value] * chunks
+        for name, value in inputs.items()
+    }
+    return [{name: parts[i] for name, parts in split.items()} for i in range(chunks)]
+
+
+class PipelineAbortedError(RuntimeError):
+    """Raised on a stage whose neighbour failed during the same pipeline step."""
+
+
+class StageLink:
+    """Point-to-point transfers between this stage and its neighbours (and broadcasts from the last)."""
+
+    def __init__(self, context: ParallelContext) -> None:
+        self.context = context
+        stage = context.pipeline_parallel_rank
+        self.prev = context.pipeline_parallel_global_rank(stage - 1) if stage > 0 else None
+        self.next = (
+            context.pipeline_parallel_global_rank(stage + 1) if stage < context.pipeline_parallel_size - 1 else None
+        )
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    @staticmethod
+    def _header(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages.")
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0] = _DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return header
+
+    def _device_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.context.device)
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Send ``tensor`` (header first) to global rank ``peer`` without waiting for it to arrive."""
+        tensor = tensor.detach().contiguous()
+        for part in (self._device_tensor(self._header(tensor)), tensor):
+            self._pending.append((dist.isend(part, peer), part))
+
+    def send_abort(self, peer: int, message: str) -> None:
+        """Tell ``peer``, which waits for a tensor from this rank, that the step failed here."""
+        encoded = torch.tensor(list(message.encode()), dtype=torch.uint8)
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0], header[1] = _ABORT, encoded.numel()
+        for part in (header, encoded):
+            self._pending.append((dist.isend(self._device_tensor(part), peer), part))
+        self.wait_all()
+
+    def recv(self, peer: int) -> torch.Tensor:
+        """Receive the next tensor global rank ``peer`` sent to this rank.
+
+        Raises:
+            PipelineAbortedError: ``peer`` failed and sent :meth:`send_abort` instead.
+        """
+        header = self._device_tensor(torch.empty(2 + _MAX_DIMS, dtype=torch.int64))
+        dist.recv(header, peer)
+        header = header.tolist()
+        if header[0] == _ABORT:
+            message = self._device_tensor(torch.empty(header[1], dtype=torch.uint8))
+            dist.recv(message, peer)
+            raise PipelineAbortedError(bytes(message.tolist()).decode())
+        shape = header[2 : 2 + header[1]]
+        tensor = torch.empty(shape, dtype=_DTYPES[header[0]], device=self.context.device)
+        dist.recv(tensor, peer)
+        return tensor
+
+    def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """Give every stage the last stage's ``tensor`` (the other stages pass ``None``)."""
+        context = self.context
+        source = context.pipeline_parallel_global_rank(context.pipeline_parallel_size - 1)
+        group = context.pipeline_parallel_group
+        if context.is_pipeline_last_stage():
+            tensor = tensor.detach().contiguous()
+            header = self._device_tensor(self._header(tensor))
+        else:
+            header = self._device_tensor(torch.empty(2 + _MAX_DIMS, dtype=torch.int64))
+        dist.broadcast(header, source, group=group)
+        if not context.is_pipeline_last_stage():
+            values = header.tolist()
+            tensor = torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=context.device)
+        dist.broadcast(tensor, source, group=group)
+        return tensor
+
+    def wait_all(self) -> None:
+        """Wait until every send of this step has been received."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class _ReceivedGradient(torch.autograd.Function):
+    """``loss`` of a stage that is not the last: its value is the last stage's loss, and its backward
+    feeds the gradient received from the next stage into this stage's output."""
+
+    @staticmethod
+    def forward(ctx, output, gradient, loss_value, seed, record):
+        ctx.save_for_backward(gradient, seed)
+        ctx.record = record
+        return loss_value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        gradient, seed = ctx.saved_tensors
+        ctx.record.append(grad_loss.detach())
+        # The gradient already carries the last stage's backward seed (1, or a loss scale); if this
+        # stage's backward was seeded differently, rescale to this stage's seed.
+        if not torch.equal(grad_loss, seed):
+            gradient = gradient * (grad_loss / seed).to(gradient.dtype)
+        return gradient, None, None, None, None
+
+
+def _abort_towards_first(link: StageLink, message: str) -> None:
+    """Pass a failure on to the previous stage, which is (or will be) waiting for a gradient from us."""
+    if link.prev is not None:
+        link.send_abort(link.prev, message)
+
+
+def pipeline_schedule(
+    context: ParallelContext,
+    num_micro_batches: int,
+    stage_forward: Callable[[int, torch.Tensor | None], Any],
+    micro_output: Callable[[Any, torch.Tensor], Any],
+    last_stage_loss: Callable[[Any], torch.Tensor],
+    after_step: Callable[[], None],
+) -> Iterator[Any]:
+    """The 1F1B training schedule of one batch, as a generator of micro-batch outputs.
+
+    Args:
+        context: The model's parallel context.
+        num_micro_batches: ``M``.
+        stage_forward: ``stage_forward(i, received)`` runs this stage on micro-batch ``i``; ``received``
+            is the previous stage's output (``None`` on the first stage). Returns the tensor to send on
+            (not the last stage) or the head's result (last stage).
+        micro_output: ``micro_output(result, loss)`` builds what is yielded for a micro-batch;
+            ``result`` is ``stage_forward``'s return value on the last stage, ``None`` elsewhere.
+        last_stage_loss: The loss tensor inside the last stage's result.
+        after_step: Runs on every stage once all micro-batches are backpropagated (e.g. summing the
+            gradients of weights tied across stages).
+
+    Yields:
+        One output per micro-batch, in order; call ``.loss.backward()`` on each before the next.
+    """
+    link = StageLink(context)
+    first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
+    stage = context.pipeline_parallel_rank
+    warmup = min(context.pipeline_parallel_size - stage - 1, num_micro_batches)
+    received: dict[int, torch.Tensor | None] = {}
+    results: dict[int, Any] = {}
+
+    def forward(i: int) -> None:
+        inputs = None
+        if not first:
+            inputs = link.recv(link.prev).requires_grad_(torch.is_grad_enabled())
+        with context.rng.replicated():
+            result = stage_forward(i, inputs)
+        if not last:
+            link.send(result, link.next)
+        received[i], results[i] = inputs, result
+
+    for i in range(warmup):
+        forward(i)
+    for i in range(num_micro_batches):
+        if i + warmup < num_micro_batches:
+            forward(i + warmup)
+        inputs, result = received.pop(i), results.pop(i)
+        seeds: list[torch.Tensor] = []
+        if last:
+            loss = last_stage_loss(result)
+            loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
+            loss_value = loss.detach()
+            yield micro_output(result, loss)
+        else:
+            try:
+                gradient = link.recv(link.next)
+                loss_value, seed = link.recv(link.next).unbind()
+            except PipelineAbortedError as error:
+                _abort_towards_first(link, str(error))
+                raise
+            loss = _ReceivedGradient.apply(result, gradient, loss_value, seed, seeds)
+            yield micro_output(None, loss)
+        if not seeds:
+            message = (
+                f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
+                "micro_output.loss.backward() on every output of the pipeline before taking the next one "
+                "(all stages must run the same loop)."
+            )
+            _abort_towards_first(link, message)
+            raise RuntimeError(message)
+        if not first:
+            link.send(inputs.grad, link.prev)
+            link.send(torch.stack([loss_value, seeds[0].to(loss_value.dtype)]), link.prev)
+    link.wait_all()
+    after_step()

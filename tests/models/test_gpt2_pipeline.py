@@ -1,0 +1,187 @@
+"""GPT2LMHeadModel with pipeline parallelism (alone and with tensor parallelism) against transformers:
+micro-batch losses and every gradient of the 1F1B schedule, the no-gradient pass, and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
+
+LAYOUTS = [(1, 2), (2, 2), (1, 4)]  # (tensor_parallel_size, pipeline_parallel_size)
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-lm-4-layers")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(n_layer=4), path)
+    return str(path)
+
+
+def _batch(seed=1, batch=4, length=10, vocab=1001):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding in one row
+    input_ids[1, :3] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def _train_step(rank, world_size, path, tp, micro_batch_size, scale):
+    pp = world_size // tp
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=micro_batch_size
+    ).train()
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    batch = _batch()
+
+    losses = []
+    for micro_output in model(**batch):
+        losses.append(micro_output.loss.detach())
+        (micro_output.loss * scale).backward()
+    expected = []
+    for i in range(0, 4, micro_batch_size):
+        loss = reference(**{k: v[i : i + micro_batch_size] for k, v in batch.items()}).loss
+        (loss * scale).backward()
+        expected.append(loss.detach())
+    assert len(losses) == len(expected) == 4 // micro_batch_size
+    for ours, theirs in zip(losses, expected, strict=True):  # on every stage, not only the last
+        torch.testing.assert_close(ours, theirs)
+
+    def check_grads():
+        grads = full_grads(model)
+        theirs = {n: p.grad for n, p in reference.named_parameters()}
+        theirs["lm_head.weight"] = theirs["transformer.wte.weight"]  # tied in transformers
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
+        return sorted(grads)
+
+    names = check_grads()
+    # Clipping sees the whole model's norm (every stage, the tied weight once) and scales alike.
+    total = model.clip_grad_norm_(0.05)
+    torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+    check_grads()
+    return names
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_micro_batch_losses_and_gradients_match_transformers(lm_checkpoint, tp, pp, micro_batch_size):
+    names = run_distributed(_train_step, tp * pp, lm_checkpoint, tp, micro_batch_size, 1.0)
+    every = {n for stage in names for n in stage}
+    reference = {n for n, _ in transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint).named_parameters()}
+    assert every == reference | {"lm_head.weight"}  # every parameter is on some stage
+    stages = [set(names[p * tp]) for p in range(pp)]
+    assert all(not (a & b) for i, a in enumerate(stages) for b in stages[i + 1 :])  # and on one only
+    assert "transformer.wte.weight" in stages[0] and "lm_head.weight" in stages[-1]
+
+
+def test_scaled_backward_scales_every_stage(lm_checkpoint):
+    """A loss scale (as GradScaler applies) reaches the stages that only receive gradients."""
+    run_distributed(_train_step, 2, lm_checkpoint, 1, 2, 8.0)
+
+
+def _inference(rank, world_size, path, tp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
+    )
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    batch = _batch(seed=3)
+    with torch.no_grad():
+        expected = reference(**batch)
+        actual = model(**batch)
+    torch.testing.assert_close(actual.logits, expected.logits)
+    torch.testing.assert_close(actual.loss, expected.loss)
+    without_labels = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert without_labels.loss is None and not without_labels.logits.requires_grad
+    torch.testing.assert_close(without_labels.logits, expected.logits)
+    with torch.no_grad():
+        assert model(**batch, gather_logits=False).logits is None
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_no_gradient_pass_returns_outputs_on_every_stage(lm_checkpoint, tp, pp):
+    run_distributed(_inference, tp * pp, lm_checkpoint, tp)
+
+
+def _save(rank, world_size, path, target, tp, merged):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
+    )
+    model.save_pretrained_with_parallel(target, save_with_merging=merged)
+    return {n: p for n, p in full_params(model).items()}
+
+
+def _load_split(rank, world_size, path, tp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
+    )
+    return full_params(model)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 2), (1, 4)])
+def test_merged_save_is_a_plain_transformers_checkpoint(lm_checkpoint, tmp_path, tp, pp):
+    run_distributed(_save, tp * pp, lm_checkpoint, str(tmp_path), tp, True)
+    original = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    for (name, a), (_, b) in zip(original.state_dict().items(), saved.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_split_save_round_trips(lm_checkpoint, tmp_path):
+    saved = run_distributed(_save, 4, lm_checkpoint, str(tmp_path), 2, False)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["config.json", "generation_config.json", "model_parallel.index.json"]
+        + [f"model_tp={t}_pp={p}.safetensors" for t in range(2) for p in range(2)]
+    )
+    index = json.loads((tmp_path / "model_parallel.index.json").read_text())
+    assert index["pipeline_parallel_size"] == 2
+    assert "transformer.h.0.attn.c_attn.weight" in index["files"]["model_tp=1_pp=0.safetensors"]
+    assert "transformer.h.3.attn.c_attn.weight" in index["files"]["model_tp=1_pp=1.safetensors"]
+    assert index["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    loaded = run_distributed(_load_split, 4, str(tmp_path), 2)
+    for before, after in zip(saved, loaded, strict=True):
+        assert before.keys() == after.keys()
+        for name in before:
+            torch.testing.assert_close(before[name], after[name], rtol=0, atol=0)
+
+
+def _from_config(rank, world_size, target, tp):
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        tiny_gpt2_config(n_layer=4), tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, seed=5
+    )
+    model.save_pretrained_with_parallel(target, save_with_merging=True)
+
+
+def test_random_init_is_the_same_at_every_layout(tmp_path):
+    run_distributed(_from_config, 1, str(tmp_path / "single"), 1)
+    run_distributed(_from_config, 4, str(tmp_path / "tp2pp2"), 2)
+    a = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "single")).state_dict()
+    b = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "tp2pp2")).state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def _bad_micro_batch(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"batch size 4 is not a multiple of micro_batch_size=3"):
+        next(iter(model(**_batch())))
+    model.set_micro_batch_size(2)
+    with pytest.raises(RuntimeError, match="micro-batch 0 was not backpropagated on pipeline stage 1"):
+        for _ in model(**_batch()):  # no backward: the last stage notices, and tells the first
+            pass
+    with pytest.raises(NotImplementedError, match="use_cache"):
+        model(**_batch(), use_cache=True)
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model(**_batch(), output_hidden_states=True)
+
+
+def test_bad_micro_batches_and_skipped_backward_fail_every_stage(lm_checkpoint):
+    run_distributed(_bad_micro_batch, 2, lm_checkpoint)
