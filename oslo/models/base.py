@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -70,7 +70,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # Under pipeline parallelism a tied pair may be split across stages (GPT2's wte on the first,
         # lm_head on the last): only pairs held by this stage are tied by sharing the parameter; the
-        # others are kept equal by sync_tied_gradients.
+        # others start equal and get equal gradients (pipeline_gradient_reduction).
         keys = super().get_expanded_tied_weights_keys(all_submodels)
         if self.parallel_context.pipeline_parallel_size == 1:
             return keys
@@ -95,18 +95,38 @@ class OsloPreTrainedModel(PreTrainedModel):
                 twins[source] = target
         return twins
 
-    def sync_tied_gradients(self) -> None:
-        """Sum the gradients of weights tied across the first and last pipeline stage.
+    def pipeline_gradient_reduction(self) -> Callable[[], None]:
+        """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
 
-        The pipeline schedule calls it after the last micro-batch's backward, so users do not.
+        Returns a function that (1) sums the gradients a step added to weights tied across the first
+        and last stage, so both copies get the gradient the single tied weight would, and (2) averages
+        gradients over the data-parallel group, as ``DistributedDataParallel`` would. Gradients
+        accumulated before the step (several batches per optimizer step) are not counted twice: the
+        snapshot of the tied gradients is taken now, at the start of the step.
         """
-        group = self.parallel_context.embedding_group
+        context = self.parallel_context
         parameters = dict(self.named_parameters())
-        for name in sorted(self.cross_stage_tied_weights()):  # the same order on both stages
-            param = parameters[name]
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            torch.distributed.all_reduce(param.grad, group=group)
+        tied = [parameters[name] for name in sorted(self.cross_stage_tied_weights())]  # same order on both
+        before = [param.grad.detach().clone() if param.grad is not None else None for param in tied]
+
+        def reduce() -> None:
+            for param, previous in zip(tied, before, strict=True):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                torch.distributed.all_reduce(param.grad, group=context.embedding_group)
+                if previous is not None:  # both stages held it, and both added it
+                    param.grad.sub_(previous)
+            if context.data_parallel_size > 1:
+                grads = [param.grad for param in self.parameters() if param.grad is not None]
+                for dtype in sorted({grad.dtype for grad in grads}, key=str):
+                    group = [grad for grad in grads if grad.dtype == dtype]
+                    flat = torch.cat([grad.reshape(-1) for grad in group])
+                    torch.distributed.all_reduce(flat, group=context.data_parallel_group)
+                    flat.div_(context.data_parallel_size)
+                    for grad, value in zip(group, flat.split([grad.numel() for grad in group]), strict=True):
+                        grad.copy_(value.view_as(grad))
+
+        return reduce
 
     # ---- parallel plumbing -------------------------------------------------------------------
     @property

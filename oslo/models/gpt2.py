@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -482,6 +483,13 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             return output if return_dict else output.to_tuple()
 
         if labels is not None and torch.is_grad_enabled():
+            if DistributedDataParallel._get_active_ddp_module() is not None:
+                raise RuntimeError(
+                    "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
+                    "reduces gradients after the first micro-batch's backward only. The pipeline averages "
+                    "gradients over the data-parallel group itself after the last micro-batch; call the "
+                    "model directly."
+                )
             micro_batches = split_micro_batches({**inputs, "labels": labels}, self.micro_batch_size)
 
             def stage_forward(i, received):
@@ -495,7 +503,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                 stage_forward,
                 micro_output=lambda result, loss: wrap(loss, None),
                 last_stage_loss=lambda result: result[0],
-                after_step=self.sync_tied_gradients,
+                after_step=self.pipeline_gradient_reduction(),
             )
         return wrap(*self._pipeline_pass(
             lambda received: self._stage(inputs, received, labels, logits_to_keep, kwargs),

@@ -185,3 +185,33 @@ def _bad_micro_batch(rank, world_size, path):
 
 def test_bad_micro_batches_and_skipped_backward_fail_every_stage(lm_checkpoint):
     run_distributed(_bad_micro_batch, 2, lm_checkpoint)
+
+
+def _data_parallel_accumulation(rank, world_size, path):
+    """tp 1 x pp 2 x dp 2, two batches accumulated before the optimizer step: the gradients are the
+    replicas' average of what transformers accumulates, and wte/lm_head are not counted twice."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=2)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    replica = model.mpu.get_data_parallel_rank()
+    for step in range(2):
+        for micro_output in model(**_batch(seed=10 * step + replica)):
+            micro_output.loss.backward()
+    for step in range(2):
+        for seed in (10 * step, 10 * step + 1):
+            batch = _batch(seed=seed)
+            for i in (0, 2):
+                (reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss / 2).backward()
+    theirs = {n: p.grad for n, p in reference.named_parameters()}
+    theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model.gpu_modules(), process_group=model.mpu.get_data_parallel_group()
+    )
+    with pytest.raises(RuntimeError, match="do not wrap the model in DistributedDataParallel"):
+        ddp(**_batch())
+
+
+def test_data_parallel_replicas_and_accumulated_batches(lm_checkpoint):
+    run_distributed(_data_parallel_accumulation, 4, lm_checkpoint)
