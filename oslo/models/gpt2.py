@@ -53,10 +53,15 @@ class GPT2Attention(nn.Module):
     """Causal self-attention over this rank's heads. ``fuse()`` switches scale + mask + softmax and
     bias + dropout + residual to oslo's fused kernels (Triton on CUDA, torch reference on CPU)."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext) -> None:
+    def __init__(
+        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        # Slot in the KV cache: the layer index, except on a later pipeline stage, whose cache holds
+        # only its own layers (from slot 0, so the cache's length is that of its first slot).
+        self.cache_idx = layer_idx if cache_idx is None else cache_idx
         self.embed_dim = config.hidden_size
         self.head_dim = self.embed_dim // config.num_attention_heads
         self.is_causal = True
@@ -97,7 +102,7 @@ class GPT2Attention(nn.Module):
         value = value.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
         if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, nh_local, T_past + T, hs)
+            key, value = past_key_values.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
 
         dropout = self.attn_dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
@@ -165,12 +170,14 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext) -> None:
+    def __init__(
+        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+    ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx, parallel_context)
+        self.attn = GPT2Attention(config, layer_idx, parallel_context, cache_idx)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config, parallel_context)
 
@@ -250,7 +257,8 @@ class GPT2Model(GPT2PreTrainedModel):
         )
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
         self.drop = nn.Dropout(config.embd_pdrop)
-        self.h = StageLayers({i: GPT2Block(config, i, context) for i in layers[context.pipeline_parallel_rank]})
+        own = layers[context.pipeline_parallel_rank]
+        self.h = StageLayers({i: GPT2Block(config, i, context, cache_idx=i - own.start) for i in own})
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -402,11 +410,6 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         output on every stage.
         """
         if self.parallel_context.pipeline_parallel_size > 1:
-            if past_key_values is not None or use_cache:
-                raise NotImplementedError(
-                    "use_cache / past_key_values are not supported with pipeline_parallel_size > 1 yet; pass "
-                    "use_cache=False (generate() with pipeline parallelism is not supported yet either)."
-                )
             if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
                 raise NotImplementedError(
                     "output_hidden_states / output_attentions are not supported with pipeline_parallel_size > 1 "
@@ -420,7 +423,9 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                 ).items()
                 if value is not None
             }
-            return self._pipeline_forward(inputs, labels, logits_to_keep, gather_logits, return_dict, kwargs)
+            return self._pipeline_forward(
+                inputs, labels, past_key_values, use_cache, logits_to_keep, gather_logits, return_dict, kwargs
+            )
 
         outputs = self.transformer(
             input_ids,
@@ -456,10 +461,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if return_dict else output.to_tuple()
 
-    def _stage(self, inputs: dict, received, labels, logits_to_keep, kwargs):
+    def _stage(self, inputs: dict, received, labels, logits_to_keep, kwargs, cache=None):
         """This pipeline stage's part of the forward: hidden states to send on, or (loss, local logits)."""
         hidden_states = self.transformer(
-            **inputs, use_cache=False, return_dict=True, stage_input=received, **_base_kwargs(kwargs)
+            **inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True, stage_input=received,
+            **_base_kwargs(kwargs),
         ).last_hidden_state
         if self.lm_head is None:
             return hidden_states
@@ -475,14 +481,18 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             )
         return loss, local_logits
 
-    def _pipeline_forward(self, inputs, labels, logits_to_keep, gather_logits, return_dict, kwargs):
+    def _pipeline_forward(self, inputs, labels, cache, use_cache, logits_to_keep, gather_logits, return_dict, kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
 
-        def wrap(loss, logits):
-            output = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        def wrap(loss, logits, cache=None):
+            output = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=cache)
             return output if return_dict else output.to_tuple()
 
         if labels is not None and torch.is_grad_enabled():
+            if cache is not None:
+                raise NotImplementedError(
+                    "past_key_values in a pipeline training step is not supported; call the model without it."
+                )
             if DistributedDataParallel._get_active_ddp_module() is not None:
                 raise RuntimeError(
                     "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
@@ -505,11 +515,16 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                 last_stage_loss=lambda result: result[0],
                 after_step=self.pipeline_gradient_reduction(),
             )
-        return wrap(*self._pipeline_pass(
-            lambda received: self._stage(inputs, received, labels, logits_to_keep, kwargs),
+        # Each stage caches its own layers' keys and values (generate() creates the cache on every rank).
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        loss, logits = self._pipeline_pass(
+            lambda received: self._stage(inputs, received, labels, logits_to_keep, kwargs, cache),
             has_loss=labels is not None,
             gather_logits=gather_logits,
-        ))
+        )
+        return wrap(loss, logits, cache if use_cache else None)
 
     def _pipeline_pass(self, stage, has_loss: bool, gather_logits: bool):
         """Run the whole batch through the stages without gradients; every stage gets (loss, logits)."""

@@ -177,8 +177,6 @@ def _bad_micro_batch(rank, world_size, path):
     with pytest.raises(RuntimeError, match="micro-batch 0 was not backpropagated on pipeline stage 1"):
         for _ in model(**_batch()):  # no backward: the last stage notices, and tells the first
             pass
-    with pytest.raises(NotImplementedError, match="use_cache"):
-        model(**_batch(), use_cache=True)
     with pytest.raises(NotImplementedError, match="output_hidden_states"):
         model(**_batch(), output_hidden_states=True)
 
@@ -215,3 +213,35 @@ def _data_parallel_accumulation(rank, world_size, path):
 
 def test_data_parallel_replicas_and_accumulated_batches(lm_checkpoint):
     run_distributed(_data_parallel_accumulation, 4, lm_checkpoint)
+
+
+def _generate(rank, world_size, path, tp):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, seed=1234
+    )
+    batch = _batch(seed=4, batch=3, length=6)
+    common = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=10,
+                  pad_token_id=0)
+    cases = {
+        "greedy": dict(do_sample=False),
+        "greedy_no_cache": dict(do_sample=False, use_cache=False),
+        "beam_ngram": dict(do_sample=False, num_beams=3, no_repeat_ngram_size=2),
+        "fused_ngram": dict(do_sample=False, num_beams=2, no_repeat_ngram_size=2),
+    }
+    for name, options in cases.items():
+        expected = reference.generate(**common, **options)
+        actual = model.generate(**common, **options, fused_no_repeat_ngram_blocking=name == "fused_ngram")
+        assert torch.equal(actual, expected), f"{name}: {actual.tolist()} != {expected.tolist()}"
+    torch.manual_seed(1234)
+    expected = reference.generate(**common, do_sample=True, top_k=50)
+    torch.manual_seed(rank)  # the model's replicated stream decides, whatever the global RNG says
+    actual = model.generate(**common, do_sample=True, top_k=50)
+    assert torch.equal(actual, expected), f"sampling: {actual.tolist()} != {expected.tolist()}"
+    return actual.tolist()
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_generate_matches_transformers(lm_checkpoint, tp, pp):
+    results = run_distributed(_generate, tp * pp, lm_checkpoint, tp)
+    assert all(r == results[0] for r in results)
