@@ -3,7 +3,7 @@
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes with the launcher's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so oslo initializes
 torch.distributed itself exactly as under ``torchrun``. It returns the per-rank results, raises the
-traceback of the lowest failing rank, and raises ``TimeoutError`` naming the ranks that did not
+traceback of the first rank to fail, and raises ``TimeoutError`` naming the ranks that did not
 finish in time. After a failure the other ranks get ``grace`` seconds (they may be stuck in a
 collective with the dead rank) before they are killed, so a failing rank fails the test quickly and
 never hangs it.
@@ -108,8 +108,10 @@ def run_distributed(
                 else:
                     results[rank] = payload
         if failures:
-            rank = min(failures)
-            raise RankError(f"rank {rank} failed:\n{failures[rank]}")
+            # The first failure to arrive is the cause; ranks that failed later usually lost their peer.
+            rank = next(iter(failures))
+            others = f" (then ranks {sorted(set(failures) - {rank})} failed too)" if len(failures) > 1 else ""
+            raise RankError(f"rank {rank} failed{others}:\n{failures[rank]}")
     finally:
         for proc in procs:
             if proc.is_alive():

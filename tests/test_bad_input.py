@@ -71,12 +71,6 @@ def test_sizes_must_divide_world(lm_checkpoint):
     run_distributed(_expect, 3, lm_checkpoint, 2, ValueError, ["= 2 must divide the world size 3"])
 
 
-def test_pipeline_not_yet_supported_by_other_heads(lm_checkpoint):
-    run_distributed(_expect, 2, lm_checkpoint, 1, NotImplementedError,
-                    ["GPT2ForSequenceClassification", "pipeline_parallel_size > 1", "(got 2)", "GPT2LMHeadModel does"],
-                    model_class="GPT2ForSequenceClassification", pipeline_parallel_size=2)
-
-
 def test_more_stages_than_layers(lm_checkpoint):
     run_distributed(_expect, 3, lm_checkpoint, 1, ValueError,
                     ["pipeline_parallel_size=3 exceeds the number of layers (2)", "pipeline_parallel_size <= 2"],

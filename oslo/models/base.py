@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -18,6 +20,7 @@ from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
+from oslo.parallel.pipeline import pipeline_pass, pipeline_schedule, split_micro_batches
 from oslo.parallel.plan import ShardSpec, parameter_specs
 
 logger = logging.getLogger(__name__)
@@ -42,8 +45,8 @@ def _validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: 
     validate_parallel_size("micro_batch_size", micro_batch_size)
     if pp > 1 and not cls._supports_pipeline_parallel:
         raise NotImplementedError(
-            f"{cls.__name__} does not support pipeline_parallel_size > 1 yet (got {pp}); of the GPT2 classes "
-            "GPT2LMHeadModel does. Use pipeline_parallel_size=1 with tensor or data parallelism for this head."
+            f"{cls.__name__} does not support pipeline_parallel_size > 1 yet (got {pp}); use "
+            "pipeline_parallel_size=1 with tensor or data parallelism for this model."
         )
     return pp
 
@@ -127,6 +130,110 @@ class OsloPreTrainedModel(PreTrainedModel):
                         grad.copy_(value.view_as(grad))
 
         return reduce
+
+    # ---- body + head, with or without pipeline stages ------------------------------------------
+    # Inputs of the head that make a training step under pipeline parallelism (a loss to backpropagate).
+    _pipeline_loss_inputs: tuple[str, ...] = ("labels",)
+    _PER_LAYER_OUTPUTS = ("past_key_values", "hidden_states", "attentions")
+
+    def _new_cache(self):
+        """A fresh KV cache for a pipeline stage (architectures with another cache type override)."""
+        return DynamicCache(config=self.config)
+
+    def _forward_with_head(
+        self,
+        body: Callable,
+        inputs: dict,
+        head_inputs: dict,
+        head: Callable,
+        output_class: type,
+        past_key_values=None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        body_kwargs: dict | None = None,
+    ):
+        """Run ``body`` (the transformer) and ``head`` on its last hidden state.
+
+        Without pipeline parallelism this is ``head(body(**inputs).last_hidden_state, ...)``. With it,
+        the body runs stage by stage and the head on the last stage: a call that has a loss input
+        (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B generator of micro-batch
+        outputs (each holding ``loss``); any other call is one pass without gradients whose outputs
+        every stage receives.
+
+        Args:
+            body: Called as ``body(**inputs, past_key_values=..., use_cache=..., return_dict=True, ...)``;
+                under pipelines also with ``stage_input`` (what the previous stage sent) and
+                ``pipeline_stage=True``.
+            inputs: The body's batch inputs (``input_ids``, ``attention_mask``, ...; ``None`` allowed).
+            head_inputs: Batch tensors only the head uses (``labels``, ``mc_token_ids``, ...).
+            head: ``head(hidden_states, inputs, head_inputs, outputs_needed)`` returns the output fields
+                other than the per-layer ones; ``outputs_needed=False`` (pipeline training) means only
+                ``loss`` is used.
+            output_class: The transformers ``ModelOutput`` to return.
+        """
+        body_kwargs = body_kwargs or {}
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        fields = list(output_class.__dataclass_fields__)
+        context = self.parallel_context
+        if context.pipeline_parallel_size == 1:
+            outputs = body(**inputs, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
+                           **body_kwargs)
+            values = head(outputs.last_hidden_state, inputs, head_inputs, True)
+            values.update({name: getattr(outputs, name) for name in self._PER_LAYER_OUTPUTS if name in fields})
+            output = output_class(**values)
+            return output if return_dict else output.to_tuple()
+
+        if body_kwargs.get("output_hidden_states") or body_kwargs.get("output_attentions"):
+            raise NotImplementedError(
+                "output_hidden_states / output_attentions are not supported with pipeline_parallel_size > 1 yet "
+                "(each stage holds only its own layers)."
+            )
+        batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
+
+        def run_stage(batch: dict, received, cache, outputs_needed: bool):
+            body_inputs = {name: batch.get(name) for name in inputs}
+            hidden_states = body(**body_inputs, past_key_values=cache, use_cache=cache is not None,
+                                 return_dict=True, stage_input=received, pipeline_stage=True,
+                                 **body_kwargs).last_hidden_state
+            if not context.is_pipeline_last_stage():
+                return hidden_states
+            return head(hidden_states, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
+
+        def wrap(output):
+            return output if return_dict else output.to_tuple()
+
+        if torch.is_grad_enabled() and any(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
+            if DistributedDataParallel._get_active_ddp_module() is not None:
+                raise RuntimeError(
+                    "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
+                    "reduces gradients after the first micro-batch's backward only. The pipeline averages "
+                    "gradients over the data-parallel group itself after the last micro-batch; call the "
+                    "model directly."
+                )
+            if past_key_values is not None:
+                raise NotImplementedError(
+                    "past_key_values in a pipeline training step is not supported; call the model without it."
+                )
+            micro_batches = split_micro_batches(batch, self.micro_batch_size)
+            return pipeline_schedule(
+                context,
+                len(micro_batches),
+                lambda i, received: run_stage(micro_batches[i], received, None, False),
+                micro_output=lambda values, loss: wrap(output_class(loss=loss)),
+                last_stage_loss=lambda values: values["loss"],
+                after_step=self.pipeline_gradient_reduction(),
+            )
+
+        # One pass without gradients. Each stage caches its own layers' keys and values.
+        cache = past_key_values
+        use_cache = "past_key_values" in fields and (use_cache if use_cache is not None else self.config.use_cache)
+        if use_cache and cache is None:
+            cache = self._new_cache()
+        names = [name for name in fields if name not in self._PER_LAYER_OUTPUTS]
+        values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names)
+        if "past_key_values" in fields:
+            values["past_key_values"] = cache if use_cache else None
+        return wrap(output_class(**values))
 
     # ---- parallel plumbing -------------------------------------------------------------------
     @property

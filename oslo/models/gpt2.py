@@ -16,7 +16,6 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -46,7 +45,7 @@ from oslo.parallel.layers import (
     VocabParallelLMHead,
 )
 from oslo.parallel.mappings import gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers, StageLink, partition_layers, pipeline_schedule, split_micro_batches
+from oslo.parallel.pipeline import StageLayers, partition_layers
 
 
 class GPT2Attention(nn.Module):
@@ -210,6 +209,7 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"crossattention\.bias"]
+    _supports_pipeline_parallel = True
 
     @classmethod
     def _validate_parallel_config(cls, config: GPT2Config, tensor_parallel_size: int) -> None:
@@ -282,11 +282,30 @@ class GPT2Model(GPT2PreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         stage_input: torch.Tensor | None = None,
+        pipeline_stage: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """As transformers' ``GPT2Model.forward``. Under pipeline parallelism, stages after the first
-        take the previous stage's output as ``stage_input`` (the inputs still give shapes and masks)
-        and only the last applies ``ln_f``."""
+        """As transformers' ``GPT2Model.forward``.
+
+        Under pipeline parallelism a call runs every stage and returns the last hidden state on all of
+        them (without gradients). Internally each stage runs this with ``pipeline_stage=True``: stages
+        after the first take the previous stage's output as ``stage_input`` (the inputs still give
+        shapes and masks), and only the last applies ``ln_f``.
+        """
+        if self.parallel_context.pipeline_parallel_size > 1 and not pipeline_stage:
+            return self._forward_with_head(
+                self,
+                dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                     position_ids=position_ids, inputs_embeds=inputs_embeds),
+                {},
+                lambda hidden_states, inputs, head_inputs, outputs_needed: {"last_hidden_state": hidden_states},
+                BaseModelOutputWithPastAndCrossAttentions,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                return_dict=return_dict,
+                body_kwargs=dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                 **kwargs),
+            )
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
@@ -309,6 +328,7 @@ class GPT2Model(GPT2PreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)  # each rank caches its own heads
         if stage_input is not None:  # a later pipeline stage: the mask is built from this stage's input
+            stage_input = stage_input.view(-1, input_shape[-1], stage_input.shape[-1])  # (B * choices, T, C)
             inputs_embeds = stage_input
         elif inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
@@ -369,10 +389,22 @@ def _base_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
 
 
+def _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> dict:
+    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                position_ids=position_ids, inputs_embeds=inputs_embeds)
+
+
+def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep``: the last n positions (0: all), or the given indices."""
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        return hidden_states[:, -logits_to_keep:, :]
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden_states[:, logits_to_keep, :]
+    return hidden_states
+
+
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
-    _supports_pipeline_parallel = True
-
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         context = self.parallel_context
@@ -409,151 +441,44 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         other call runs the whole batch through the stages without gradients and returns the usual
         output on every stage.
         """
-        if self.parallel_context.pipeline_parallel_size > 1:
-            if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
-                raise NotImplementedError(
-                    "output_hidden_states / output_attentions are not supported with pipeline_parallel_size > 1 "
-                    "yet (each stage holds only its own layers)."
-                )
-            inputs = {
-                name: value
-                for name, value in dict(
-                    input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                    position_ids=position_ids, inputs_embeds=inputs_embeds,
-                ).items()
-                if value is not None
-            }
-            return self._pipeline_forward(
-                inputs, labels, past_key_values, use_cache, logits_to_keep, gather_logits, return_dict, kwargs
-            )
+        num_items_in_batch = kwargs.get("num_items_in_batch")
 
-        outputs = self.transformer(
-            input_ids,
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            local_logits = self.lm_head(_keep_last(hidden_states, logits_to_keep))  # (B, T, V_local)
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = self.lm_head.causal_lm_loss(
+                    local_logits, head_inputs["labels"], num_items_in_batch=num_items_in_batch
+                )
+            logits = self.lm_head.gather(local_logits) if gather_logits and outputs_needed else None
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.transformer,
+            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            CausalLMOutputWithCrossAttentions,
             past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            return_dict=True,
-            **_base_kwargs(kwargs),
+            return_dict=return_dict,
+            body_kwargs=_base_kwargs(kwargs),
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:, :]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden_states = hidden_states[:, logits_to_keep, :]
-        local_logits = self.lm_head(hidden_states)  # (B, T, V_local)
-
-        loss = None
-        if labels is not None:
-            loss = self.lm_head.causal_lm_loss(
-                local_logits, labels, num_items_in_batch=kwargs.get("num_items_in_batch")
-            )
-        logits = self.lm_head.gather(local_logits) if gather_logits else None
-        output = CausalLMOutputWithCrossAttentions(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return output if return_dict else output.to_tuple()
-
-    def _stage(self, inputs: dict, received, labels, logits_to_keep, kwargs, cache=None):
-        """This pipeline stage's part of the forward: hidden states to send on, or (loss, local logits)."""
-        hidden_states = self.transformer(
-            **inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True, stage_input=received,
-            **_base_kwargs(kwargs),
-        ).last_hidden_state
-        if self.lm_head is None:
-            return hidden_states
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:, :]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden_states = hidden_states[:, logits_to_keep, :]
-        local_logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.lm_head.causal_lm_loss(
-                local_logits, labels, num_items_in_batch=kwargs.get("num_items_in_batch")
-            )
-        return loss, local_logits
-
-    def _pipeline_forward(self, inputs, labels, cache, use_cache, logits_to_keep, gather_logits, return_dict, kwargs):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-
-        def wrap(loss, logits, cache=None):
-            output = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=cache)
-            return output if return_dict else output.to_tuple()
-
-        if labels is not None and torch.is_grad_enabled():
-            if cache is not None:
-                raise NotImplementedError(
-                    "past_key_values in a pipeline training step is not supported; call the model without it."
-                )
-            if DistributedDataParallel._get_active_ddp_module() is not None:
-                raise RuntimeError(
-                    "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
-                    "reduces gradients after the first micro-batch's backward only. The pipeline averages "
-                    "gradients over the data-parallel group itself after the last micro-batch; call the "
-                    "model directly."
-                )
-            micro_batches = split_micro_batches({**inputs, "labels": labels}, self.micro_batch_size)
-
-            def stage_forward(i, received):
-                micro = dict(micro_batches[i])
-                micro_labels = micro.pop("labels")
-                return self._stage(micro, received, micro_labels, logits_to_keep, kwargs)
-
-            return pipeline_schedule(
-                self.parallel_context,
-                len(micro_batches),
-                stage_forward,
-                micro_output=lambda result, loss: wrap(loss, None),
-                last_stage_loss=lambda result: result[0],
-                after_step=self.pipeline_gradient_reduction(),
-            )
-        # Each stage caches its own layers' keys and values (generate() creates the cache on every rank).
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        loss, logits = self._pipeline_pass(
-            lambda received: self._stage(inputs, received, labels, logits_to_keep, kwargs, cache),
-            has_loss=labels is not None,
-            gather_logits=gather_logits,
-        )
-        return wrap(loss, logits, cache if use_cache else None)
-
-    def _pipeline_pass(self, stage, has_loss: bool, gather_logits: bool):
-        """Run the whole batch through the stages without gradients; every stage gets (loss, logits)."""
-        context = self.parallel_context
-        link = StageLink(context)
-        with torch.no_grad():
-            received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
-            result = stage(received)
-            loss = logits = None
-            if self.lm_head is None:
-                link.send(result, link.next)
-            else:
-                loss, local_logits = result
-                logits = self.lm_head.gather(local_logits) if gather_logits else None
-            loss = link.broadcast_from_last(loss) if has_loss else None
-            logits = link.broadcast_from_last(logits) if gather_logits else None
-            link.wait_all()
-        return loss, logits
 
 
 class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    """Under pipeline parallelism, training steps backpropagate the language-modeling loss (``labels``);
+    ``mc_labels`` there raise, since every stage must backpropagate the same single loss."""
 
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
-        self.transformer = GPT2Model(config, self.parallel_context)
-        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=self.parallel_context)
-        self.multiple_choice_head = GPT2SequenceSummary(config)  # small: replicated
+        context = self.parallel_context
+        self.transformer = GPT2Model(config, context)
+        last = context.is_pipeline_last_stage()
+        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context) if last else None
+        self.multiple_choice_head = GPT2SequenceSummary(config) if last else None  # small: replicated
         self.post_init()
 
     def forward(
@@ -572,38 +497,36 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         **kwargs,
     ) -> GPT2DoubleHeadsModelOutput | tuple:
-        outputs = self.transformer(
-            input_ids,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,
-            **_base_kwargs(kwargs),
-        )
-        hidden_states = outputs.last_hidden_state  # (B, choices, T, C)
-        local_logits = self.lm_head(hidden_states)
-        mc_logits = self.multiple_choice_head(hidden_states, mc_token_ids).squeeze(-1)
+        if self.parallel_context.pipeline_parallel_size > 1 and mc_labels is not None and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "GPT2DoubleHeadsModel with pipeline_parallel_size > 1 trains on the language-modeling loss only: "
+                "pass labels without mc_labels (or evaluate mc_labels under torch.no_grad())."
+            )
 
-        mc_loss = None
-        if mc_labels is not None:
-            mc_loss = CrossEntropyLoss()(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1))
-        lm_loss = None
-        if labels is not None:
-            lm_loss = self.lm_head.causal_lm_loss(local_logits, labels)
-        output = GPT2DoubleHeadsModelOutput(
-            loss=lm_loss,
-            mc_loss=mc_loss,
-            logits=self.lm_head.gather(local_logits) if gather_logits else None,
-            mc_logits=mc_logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        def head(hidden_states, inputs, head_inputs, outputs_needed):  # hidden_states: (B, choices, T, C)
+            local_logits = self.lm_head(hidden_states)
+            mc_logits = self.multiple_choice_head(hidden_states, head_inputs["mc_token_ids"]).squeeze(-1)
+            mc_loss = None
+            if head_inputs["mc_labels"] is not None:
+                mc_labels = head_inputs["mc_labels"]
+                mc_loss = CrossEntropyLoss()(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1))
+            lm_loss = None
+            if head_inputs["labels"] is not None:
+                lm_loss = self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"])
+            logits = self.lm_head.gather(local_logits) if gather_logits and outputs_needed else None
+            return {"loss": lm_loss, "mc_loss": mc_loss, "logits": logits, "mc_logits": mc_logits}
+
+        return self._forward_with_head(
+            self.transformer,
+            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
+            head,
+            GPT2DoubleHeadsModelOutput,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=_base_kwargs(kwargs),
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return output if return_dict else output.to_tuple()
 
 
 class GPT2ForSequenceClassification(GPT2PreTrainedModel):
@@ -611,7 +534,8 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         super().__init__(config, parallel_context)
         self.num_labels = config.num_labels
         self.transformer = GPT2Model(config, self.parallel_context)
-        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)  # small: replicated
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False) if last else None  # small: replicated
         self.post_init()
 
     def forward(
@@ -627,46 +551,40 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast | tuple:
-        outputs = self.transformer(
-            input_ids,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,
-            **_base_kwargs(kwargs),
-        )
-        logits = self.score(outputs.last_hidden_state)  # (B, T, num_labels)
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        pad_token_id = self.config.pad_token_id
-        if pad_token_id is None and batch_size != 1:
+        if self.config.pad_token_id is None and batch_size != 1:
             raise ValueError(
                 f"GPT2ForSequenceClassification needs config.pad_token_id to find the last token of each of "
                 f"the {batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
             )
-        if pad_token_id is None or input_ids is None:
-            last_token = -1
-        else:
-            # The rightmost non-pad token, so both left and right padding work.
-            not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
-            positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-            last_token = (positions * not_pad).argmax(-1)
-        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
 
-        loss = None
-        if labels is not None:
-            loss = _sequence_classification_loss(self.config, self.num_labels, pooled_logits, labels)
-        output = SequenceClassifierOutputWithPast(
-            loss=loss,
-            logits=pooled_logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            logits = self.score(hidden_states)  # (B, T, num_labels)
+            input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
+            if pad_token_id is None or input_ids is None:
+                last_token = -1
+            else:
+                # The rightmost non-pad token, so both left and right padding work.
+                not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+                positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+                last_token = (positions * not_pad).argmax(-1)
+            pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = _sequence_classification_loss(self.config, self.num_labels, pooled_logits, head_inputs["labels"])
+            return {"loss": loss, "logits": pooled_logits}
+
+        return self._forward_with_head(
+            self.transformer,
+            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            SequenceClassifierOutputWithPast,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=_base_kwargs(kwargs),
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return output if return_dict else output.to_tuple()
 
 
 def _sequence_classification_loss(config, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
@@ -699,7 +617,8 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
         else:
             dropout = 0.1
         self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)  # small: replicated
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if last else None  # small: replicated
         self.post_init()
 
     def forward(
@@ -715,34 +634,36 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
-        outputs = self.transformer(
-            input_ids,
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            logits = self.classifier(self.dropout(hidden_states))
+            loss = None
+            if head_inputs["labels"] is not None:
+                labels = head_inputs["labels"].to(logits.device)
+                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.transformer,
+            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            TokenClassifierOutput,
             past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            return_dict=True,
-            **_base_kwargs(kwargs),
+            return_dict=return_dict,
+            body_kwargs=_base_kwargs(kwargs),
         )
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
-        output = TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return output if return_dict else output.to_tuple()
 
 
 class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
+    _pipeline_loss_inputs = ("start_positions", "end_positions")
+
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         self.num_labels = config.num_labels
         self.transformer = GPT2Model(config, self.parallel_context)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)  # small: replicated
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.qa_outputs = nn.Linear(config.hidden_size, 2) if last else None  # small: replicated
         self.post_init()
 
     def forward(
@@ -757,40 +678,35 @@ class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
-        outputs = self.transformer(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            **_base_kwargs(kwargs),
-        )
-        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
-        start_logits = start_logits.squeeze(-1).contiguous()
-        end_logits = end_logits.squeeze(-1).contiguous()
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            start_logits, end_logits = self.qa_outputs(hidden_states).split(1, dim=-1)
+            start_logits = start_logits.squeeze(-1).contiguous()
+            end_logits = end_logits.squeeze(-1).contiguous()
+            total_loss = None
+            start_positions, end_positions = head_inputs["start_positions"], head_inputs["end_positions"]
+            if start_positions is not None and end_positions is not None:
+                if start_positions.dim() > 1:
+                    start_positions = start_positions.squeeze(-1)
+                if end_positions.dim() > 1:
+                    end_positions = end_positions.squeeze(-1)
+                # Positions outside the input are clamped to an ignored index, as transformers does.
+                ignored_index = start_logits.size(1)
+                start_positions = start_positions.clamp(0, ignored_index).to(start_logits.device)
+                end_positions = end_positions.clamp(0, ignored_index).to(end_logits.device)
+                loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
+                total_loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
+            return {"loss": total_loss, "start_logits": start_logits, "end_logits": end_logits}
 
-        total_loss = None
-        if start_positions is not None and end_positions is not None:
-            if start_positions.dim() > 1:
-                start_positions = start_positions.squeeze(-1)
-            if end_positions.dim() > 1:
-                end_positions = end_positions.squeeze(-1)
-            # Positions outside the input are clamped to an ignored index, as transformers does.
-            ignored_index = start_logits.size(1)
-            start_positions = start_positions.clamp(0, ignored_index).to(start_logits.device)
-            end_positions = end_positions.clamp(0, ignored_index).to(end_logits.device)
-            loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
-            total_loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
-        output = QuestionAnsweringModelOutput(
-            loss=total_loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+        return self._forward_with_head(
+            self.transformer,
+            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"start_positions": start_positions, "end_positions": end_positions},
+            head,
+            QuestionAnsweringModelOutput,
+            use_cache=False,
+            return_dict=return_dict,
+            body_kwargs=_base_kwargs(kwargs),
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return output if return_dict else output.to_tuple()
 
 
 __all__ = [

@@ -37,6 +37,7 @@ __all__ = [
     "StageLayers",
     "StageLink",
     "partition_layers",
+    "pipeline_pass",
     "pipeline_schedule",
     "split_micro_batches",
 ]
@@ -44,6 +45,7 @@ __all__ = [
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _MAX_DIMS = 8
 _ABORT = -1  # header code: the sender failed, a message follows instead of a tensor
+_NONE = -2  # header code: no tensor (an output field that is None)
 
 
 def partition_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -185,19 +187,27 @@ class StageLink:
         dist.recv(tensor, peer)
         return tensor
 
-    def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """Give every stage the last stage's ``tensor`` (the other stages pass ``None``)."""
+    def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Give every stage the last stage's ``tensor``, or ``None`` if it has none (the other stages'
+        argument is ignored)."""
         context = self.context
         source = context.pipeline_parallel_global_rank(context.pipeline_parallel_size - 1)
         group = context.pipeline_parallel_group
         if context.is_pipeline_last_stage():
-            tensor = tensor.detach().contiguous()
-            header = self._device_tensor(self._header(tensor))
+            if tensor is None:
+                header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+                header[0] = _NONE
+            else:
+                tensor = tensor.detach().contiguous()
+                header = self._header(tensor)
+            header = self._device_tensor(header)
         else:
             header = self._device_tensor(torch.empty(2 + _MAX_DIMS, dtype=torch.int64))
         dist.broadcast(header, source, group=group)
+        values = header.tolist()
+        if values[0] == _NONE:
+            return None
         if not context.is_pipeline_last_stage():
-            values = header.tolist()
             tensor = torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=context.device)
         dist.broadcast(tensor, source, group=group)
         return tensor
@@ -312,3 +322,29 @@ def pipeline_schedule(
             link.send(torch.stack([loss_value, seeds[0].to(loss_value.dtype)]), link.prev)
     link.wait_all()
     after_step()
+
+
+def pipeline_pass(
+    context: ParallelContext, stage_forward: Callable[[torch.Tensor | None], Any], names: list[str]
+) -> dict[str, torch.Tensor | None]:
+    """Run one batch through the stages without gradients; every stage gets the last stage's outputs.
+
+    Args:
+        context: The model's parallel context.
+        stage_forward: ``stage_forward(received)`` runs this stage (``received`` is ``None`` on the first
+            stage); it returns the tensor to send on, or on the last stage a mapping of outputs.
+        names: The outputs to hand to every stage, in an order all stages share.
+
+    Returns:
+        ``{name: tensor or None}``, the same on every stage.
+    """
+    link = StageLink(context)
+    last = context.is_pipeline_last_stage()
+    with torch.no_grad():
+        received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
+        result = stage_forward(received)
+        if not last:
+            link.send(result, link.next)
+        values = {name: link.broadcast_from_last(result.get(name) if last else None) for name in names}
+        link.wait_all()
+    return values

@@ -245,3 +245,72 @@ def _generate(rank, world_size, path, tp):
 def test_generate_matches_transformers(lm_checkpoint, tp, pp):
     results = run_distributed(_generate, tp * pp, lm_checkpoint, tp)
     assert all(r == results[0] for r in results)
+
+
+HEADS = {
+    "GPT2Model": ({}, None),
+    "GPT2DoubleHeadsModel": ({}, "labels"),
+    "GPT2ForSequenceClassification": ({"num_labels": 3}, "labels"),
+    "GPT2ForTokenClassification": ({"num_labels": 5}, "labels"),
+    "GPT2ForQuestionAnswering": ({}, "start_positions"),
+}
+
+
+def _head_batch(head):
+    batch = _batch(seed=6, batch=4, length=8)
+    input_ids, attention_mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    if head == "GPT2Model":
+        return dict(input_ids=input_ids, attention_mask=attention_mask)
+    if head == "GPT2DoubleHeadsModel":
+        choices = input_ids.view(4, 1, 8).expand(4, 2, 8).contiguous()
+        return dict(input_ids=choices, mc_token_ids=torch.tensor([[7, 6]] * 4), labels=choices)
+    if head == "GPT2ForSequenceClassification":
+        return dict(input_ids=input_ids, attention_mask=attention_mask, labels=torch.tensor([0, 2, 1, 1]))
+    if head == "GPT2ForTokenClassification":
+        return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels.clamp(-100, 4))
+    return dict(input_ids=input_ids, attention_mask=attention_mask, start_positions=torch.tensor([1, 4, 7, 2]),
+                end_positions=torch.tensor([3, 7, 7, 5]))
+
+
+def _head_parity(rank, world_size, path, head, tp):
+    # Evaluation mode: the heads' own dropouts (summary, classifier) are not 0 in the config.
+    reference = getattr(transformers, head).from_pretrained(path)
+    model = getattr(oslo, head).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, micro_batch_size=2
+    )
+    batch = _head_batch(head)
+    with torch.no_grad():  # one pass, outputs on every stage
+        expected, actual = reference(**batch), model(**batch)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{head}.{k}: {m}")
+    if HEADS[head][1] is None:
+        return
+    losses = [out.loss.detach() for out in model(**batch) if out.loss.backward() is None]
+    for i, ours in zip((0, 2), losses, strict=True):
+        theirs = reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss
+        theirs.backward()
+        torch.testing.assert_close(ours, theirs.detach())
+    grads = full_grads(model)
+    theirs = {n: p.grad for n, p in reference.named_parameters()}
+    theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"{head} gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_every_head_matches_transformers(tmp_path, head, tp, pp):
+    save_reference(getattr(transformers, head), tiny_gpt2_config(n_layer=4, **HEADS[head][0]), tmp_path)
+    run_distributed(_head_parity, tp * pp, str(tmp_path), head, tp)
+
+
+def _double_heads_mc_training(rank, world_size, path):
+    model = oslo.GPT2DoubleHeadsModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="pass labels without mc_labels"):
+        model(**_head_batch("GPT2DoubleHeadsModel"), mc_labels=torch.tensor([0, 1, 1, 0]))
+
+
+def test_double_heads_training_on_mc_labels_is_refused(tmp_path):
+    save_reference(transformers.GPT2DoubleHeadsModel, tiny_gpt2_config(n_layer=4), tmp_path)
+    run_distributed(_double_heads_mc_training, 2, str(tmp_path))
