@@ -42,3 +42,4 @@ def test_usage_snippets_run(tmp_path):
         run_distributed(_run_snippet, ranks or 1, code, str(tmp_path), ranks is None, timeout=120)
     assert (tmp_path / "tiny-split" / "model_tp=1_pp=0.safetensors").exists()
     assert (tmp_path / "tiny-merged" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "tiny-pipelined" / "model.safetensors").exists()
