@@ -282,6 +282,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
     keys = source.keys()
     prefix = getattr(model, "base_model_prefix", "")
     twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
+    saved = set(checkpoint.split_index["tensors"]) if checkpoint.kind == "split" else set()  # every rank's
     used, missing = set(), []
 
     with torch.no_grad():
@@ -291,6 +292,13 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
             key = _resolve_key(name, keys, prefix)
             if key is None and name in twins:  # lm_head.weight on the last stage: read the tied wte
                 key = _resolve_key(twins[name], keys, prefix)
+            if key is None and checkpoint.kind == "split" and _resolve_key(name, saved, prefix) is not None:
+                raise ValueError(
+                    f"{name!r} is in the split checkpoint {checkpoint.directory!r} but not in this rank's file "
+                    f"{own!r}: it was saved with another assignment of layers to pipeline stages (an older "
+                    "oslo, or another model class). Load it with the oslo and class that saved it and save it "
+                    "with save_with_merging=True; a merged checkpoint loads at any layout."
+                )
             if key is None:
                 missing.append(name)
                 value = init_missing(name, spec, global_shape)

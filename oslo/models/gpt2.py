@@ -243,15 +243,29 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
         return self.config.initializer_range
 
 
+def _stage_layers(config: GPT2Config, stages: int, head_parameters: int) -> list[range]:
+    """Blocks per pipeline stage, balancing parameters: the first stage also holds the embeddings, the
+    last the head (an LM head's vocabulary matrix weighs about four gpt2-medium blocks)."""
+    width = config.hidden_size
+    inner = config.n_inner if config.n_inner is not None else 4 * width
+    block = 4 * width * width + 2 * width * inner + 9 * width + inner
+    embeddings = (config.vocab_size + config.max_position_embeddings) * width
+    return partition_layers(config.num_hidden_layers, stages, embeddings / block, (head_parameters + 2 * width) / block)
+
+
 class GPT2Model(GPT2PreTrainedModel):
-    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
+    def __init__(
+        self, config: GPT2Config, parallel_context: ParallelContext | None = None, head_parameters: int = 0
+    ) -> None:
+        """``head_parameters``: size of the head a model class puts after this body (on the last
+        pipeline stage), so that the stages are balanced."""
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.embed_dim = config.hidden_size
         # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
         # its range of blocks, the final LayerNorm on the last.
         first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
-        layers = partition_layers(config.num_hidden_layers, context.pipeline_parallel_size)
+        layers = _stage_layers(config, context.pipeline_parallel_size, head_parameters)
         self.wte = (
             VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
         )
@@ -408,7 +422,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         context = self.parallel_context
-        self.transformer = GPT2Model(config, context)
+        self.transformer = GPT2Model(config, context, head_parameters=config.vocab_size * config.n_embd)
         self.lm_head = (
             VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context)
             if context.is_pipeline_last_stage() else None
@@ -475,7 +489,7 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         super().__init__(config, parallel_context)
         config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
         context = self.parallel_context
-        self.transformer = GPT2Model(config, context)
+        self.transformer = GPT2Model(config, context, head_parameters=config.vocab_size * config.n_embd)
         last = context.is_pipeline_last_stage()
         self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context) if last else None
         self.multiple_choice_head = GPT2SequenceSummary(config) if last else None  # small: replicated

@@ -48,8 +48,16 @@ _ABORT = -1  # header code: the sender failed, a message follows instead of a te
 _NONE = -2  # header code: no tensor (an output field that is None)
 
 
-def partition_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced ranges of block indices, one per stage (earlier stages get the extra ones).
+def partition_layers(
+    num_layers: int, num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[range]:
+    """Contiguous ranges of block indices, one per stage, balancing parameters across stages.
+
+    ``first_extra`` and ``last_extra`` are what the first and last stage hold besides blocks (the
+    embeddings; the head, or the tied copy of the embedding), in units of one block's parameters.
+    The partition minimizes the largest stage (blocks + extras); among partitions that do, surplus
+    blocks are taken from the fullest stages, the later first. Without extras this is the uniform
+    split, earlier stages taking one block more when ``num_stages`` does not divide ``num_layers``.
 
     Raises:
         ValueError: fewer blocks than stages (every stage needs at least one block).
@@ -59,12 +67,25 @@ def partition_layers(num_layers: int, num_stages: int) -> list[range]:
             f"pipeline_parallel_size={num_stages} exceeds the number of layers ({num_layers}): every stage "
             f"needs at least one layer. Use pipeline_parallel_size <= {num_layers}."
         )
-    base, extra = divmod(num_layers, num_stages)
+    extras = [0.0] * num_stages
+    extras[0] += first_extra
+    extras[-1] += last_extra
+
+    def capacities(cap: float) -> list[int]:
+        return [max(int(cap - extra + 1e-9), 0) for extra in extras]
+
+    # The smallest cap every stage can meet with at least one block and all blocks placed; the
+    # optimum is one of n + extra for a stage's block count n.
+    candidates = sorted({n + extra for extra in extras for n in range(1, num_layers + 1)})
+    cap = next(c for c in candidates if min(capacities(c)) >= 1 and sum(capacities(c)) >= num_layers)
+    counts = capacities(cap)
+    for _ in range(sum(counts) - num_layers):
+        fullest = max(range(num_stages), key=lambda stage: (counts[stage], stage))
+        counts[fullest] -= 1
     ranges, start = [], 0
-    for stage in range(num_stages):
-        stop = start + base + (1 if stage < extra else 0)
-        ranges.append(range(start, stop))
-        start = stop
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
     return ranges
 
 

@@ -11,6 +11,8 @@ import torch
 import transformers
 
 import oslo
+from oslo.parallel.comm import RankFailedError
+from oslo.parallel.pipeline import partition_layers
 from tests.distributed import run_distributed
 from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
 
@@ -314,3 +316,37 @@ def _double_heads_mc_training(rank, world_size, path):
 def test_double_heads_training_on_mc_labels_is_refused(tmp_path):
     save_reference(transformers.GPT2DoubleHeadsModel, tiny_gpt2_config(n_layer=4), tmp_path)
     run_distributed(_double_heads_mc_training, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "layers, stages, first, last, expected",
+    [
+        (24, 4, 0, 0, [6, 6, 6, 6]),
+        (5, 2, 0, 0, [3, 2]),  # uniform: the earlier stage takes the extra block
+        (7, 3, 0, 0, [3, 2, 2]),
+        # gpt2-medium LM: embeddings ~4.17 blocks on the first stage, the tied head copy ~4.09 on the last
+        (24, 4, 4.17, 4.09, [4, 8, 8, 4]),
+        (24, 2, 4.17, 4.09, [12, 12]),
+        (24, 2, 4.17, 0.0, [10, 14]),  # GPT2Model: nothing but ln_f after the blocks
+        (4, 4, 2.6, 2.6, [1, 1, 1, 1]),  # every stage keeps at least one block
+    ],
+)
+def test_partition_balances_parameters(layers, stages, first, last, expected):
+    ranges = partition_layers(layers, stages, first, last)
+    assert [len(r) for r in ranges] == expected
+    assert [i for r in ranges for i in r] == list(range(layers))  # contiguous, in order, complete
+
+
+def _load_as(rank, world_size, path, model_class):
+    with pytest.raises((ValueError, RankFailedError), match="saved with another assignment of layers") as info:
+        getattr(oslo, model_class).from_pretrained_with_parallel(path, pipeline_parallel_size=2)
+    return type(info.value).__name__, str(info.value)
+
+
+def test_split_checkpoint_of_another_partition_is_refused(lm_checkpoint, tmp_path):
+    """The LM head's weight puts two blocks on each stage; GPT2Model puts one and three, so the second
+    stage's file lacks block 1: refused, never silently re-initialized."""
+    run_distributed(_save, 2, lm_checkpoint, str(tmp_path), 1, False)
+    errors = run_distributed(_load_as, 2, str(tmp_path), "GPT2Model")
+    assert [kind for kind, _ in errors] == ["RankFailedError", "ValueError"]  # the second stage's own error
+    assert "'h.1.ln_1.weight'" in errors[1][1] and "'model_tp=0_pp=1.safetensors'" in errors[1][1]
