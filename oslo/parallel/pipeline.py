@@ -182,13 +182,16 @@ class StageLink:
             self._pending.append((dist.isend(part, peer), part))
 
     def send_abort(self, peer: int, message: str) -> None:
-        """Tell ``peer``, which waits for a tensor from this rank, that the step failed here."""
+        """Tell ``peer``, whose next receive from this rank is still to come, that the step failed here.
+
+        Waits for this message only: earlier sends may never be received now.
+        """
         encoded = torch.tensor(list(message.encode()), dtype=torch.uint8)
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
         header[0], header[1] = _ABORT, encoded.numel()
-        for part in (header, encoded):
-            self._pending.append((dist.isend(self._device_tensor(part), peer), part))
-        self.wait_all()
+        parts = [self._device_tensor(part) for part in (header, encoded)]
+        for work in [dist.isend(part, peer) for part in parts]:
+            work.wait()
 
     def recv(self, peer: int) -> torch.Tensor:
         """Receive the next tensor global rank ``peer`` sent to this rank.

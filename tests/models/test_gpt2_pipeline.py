@@ -187,6 +187,20 @@ def test_bad_micro_batches_and_skipped_backward_fail_every_stage(lm_checkpoint):
     run_distributed(_bad_micro_batch, 2, lm_checkpoint)
 
 
+def _skipped_backward(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=world_size)
+    with pytest.raises(RuntimeError, match="micro-batch 0 was not backpropagated on pipeline stage 3"):
+        for _ in model(**_batch()):
+            pass
+    return model.mpu.get_pipeline_parallel_rank()
+
+
+def test_skipped_backward_reaches_every_stage_of_four(lm_checkpoint):
+    """The failure travels from the last stage through the middle ones, which still have activations
+    in flight, to the first: every stage raises, none waits."""
+    assert run_distributed(_skipped_backward, 4, lm_checkpoint, timeout=60) == [0, 1, 2, 3]
+
+
 def _data_parallel_accumulation(rank, world_size, path):
     """tp 1 x pp 2 x dp 2, two batches accumulated before the optimizer step: the gradients are the
     replicas' average of what transformers accumulates, and wte/lm_head are not counted twice."""

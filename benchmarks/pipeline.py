@@ -1,0 +1,227 @@
+"""Pipeline parallelism on CPU over gloo: memory per stage, bytes between stages, and step time.
+
+(a) Memory. Parameter bytes of the fullest stage of a gpt2-medium-shaped ``GPT2LMHeadModel`` (24
+    layers, n_embd 1024, vocab 50257) at pp = 2 and 4, built on the meta device in real ranks.
+    Reference: the floor ``(total + the tied copy of wte on the last stage) / pp``, where the total
+    is transformers' own model (tied weights once); reported for oslo's parameter-balanced stages
+    and, for comparison, for the uniform split (the same number of blocks per stage).
+(b) Communication. Bytes a training step sends between stages (every ``isend``, counted in the
+    ranks), against the minimum: per micro-batch and stage boundary, the activation forward and its
+    gradient backward (``micro_batch x seq x n_embd`` float32 each). Also the no-gradient pass.
+(c) Step time. A training step (forward + backward of every micro-batch) at pp=2, one thread per
+    rank, against one process with one thread running the same micro-batches one after the other
+    (gradient accumulation: the same work without the pipeline), and for context the whole batch in
+    one forward + backward. Reference: the ideal of this partition on the 1F1B schedule, from FLOP
+    counts: ``total / (fullest stage x (M + pp - 1) / M)`` (the stage with the LM head also computes
+    the 50257-way projection). Runs alternate between the configurations; medians.
+
+Run: ``python benchmarks/pipeline.py``; options: ``--part a|b|c``, ``--n-layer 8 --seq 64 --batch 8
+--micro-batch-size 1 --iters 5`` for (c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _tp_harness as bench
+import torch
+import torch.distributed as dist
+import transformers
+
+import oslo
+from oslo.models.gpt2 import _stage_layers
+
+FLOOR_TARGET = 1.05  # fullest stage / floor, balanced partition
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) parameter bytes per stage
+# ---------------------------------------------------------------------------------------------
+def _stage_bytes(rank: int, world_size: int, config) -> int:
+    context = oslo.ParallelContext(1, world_size)
+    with torch.device("meta"):
+        model = oslo.GPT2LMHeadModel(config, parallel_context=context)
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def part_a(config) -> bool:
+    with torch.device("meta"):
+        total = sum(p.numel() * 4 for p in transformers.GPT2LMHeadModel(config).parameters())
+    wte = config.vocab_size * config.n_embd * 4
+    print(f"\n(a) parameter bytes per stage, {bench.describe(config)}, float32")
+    print(f"    transformers total {bench.mib(total)}; the last stage also holds a copy of wte ({bench.mib(wte)})")
+    ok = True
+    for pp in (2, 4):
+        per_stage = bench.launch(_stage_bytes, pp, config)
+        floor = (total + wte) / pp
+        layers = [len(r) for r in _stage_layers(config, pp, config.vocab_size * config.n_embd)]
+        uniform = _uniform_stage_bytes(config, pp, total, wte)
+        ratio = max(per_stage) / floor
+        ok &= ratio <= FLOOR_TARGET
+        print(f"    pp={pp}: blocks per stage {layers}; bytes per stage "
+              f"{', '.join(bench.mib(b) for b in per_stage)}")
+        print(f"          fullest stage / floor {bench.mib(floor)}: {ratio:.3f} {bench.verdict(ratio <= FLOOR_TARGET)} "
+              f"(target <= {FLOOR_TARGET}); uniform split would be {max(uniform) / floor:.3f}")
+    return ok
+
+
+def _uniform_stage_bytes(config, pp: int, total: int, wte: int) -> list[float]:
+    width, inner = config.n_embd, 4 * config.n_embd
+    block = (4 * width * width + 2 * width * inner + 9 * width + inner) * 4
+    blocks = [config.n_layer // pp + (1 if s < config.n_layer % pp else 0) for s in range(pp)]
+    embeddings = (config.vocab_size + config.n_positions) * width * 4
+    sizes = [n * block for n in blocks]
+    sizes[0] += embeddings
+    sizes[-1] += wte + 2 * width * 4
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) bytes between stages
+# ---------------------------------------------------------------------------------------------
+def _count_p2p(rank: int, world_size: int, config, batch: int, seq: int, micro: int) -> dict:
+    sent = {"bytes": 0, "messages": 0}
+    original = dist.isend
+
+    def counting_isend(tensor, dst, *args, **kwargs):
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        sent["messages"] += 1
+        return original(tensor, dst, *args, **kwargs)
+
+    dist.isend = counting_isend
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        config, pipeline_parallel_size=world_size, micro_batch_size=micro, seed=0
+    )
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    for micro_output in model(input_ids=input_ids, labels=input_ids):
+        micro_output.loss.backward()
+    training = dict(sent)
+    sent.update(bytes=0, messages=0)
+    with torch.no_grad():
+        model(input_ids=input_ids, gather_logits=False)
+    return {"training": training, "pass": dict(sent)}
+
+
+def part_b(config, batch: int, seq: int, micro: int) -> bool:
+    print(f"\n(b) bytes sent between stages, {bench.describe(config)}, batch {batch} x {seq} tokens, "
+          f"micro-batches of {micro}")
+    ok = True
+    for pp in (2, 4):
+        results = bench.launch(_count_p2p, pp, config, batch, seq, micro)
+        activation = micro * seq * config.n_embd * 4
+        minimum = (batch // micro) * (pp - 1) * 2 * activation
+        sent = sum(r["training"]["bytes"] for r in results)
+        messages = sum(r["training"]["messages"] for r in results)
+        ratio = sent / minimum
+        ok &= ratio <= 1.01
+        print(f"    pp={pp} training step: {sent:,d} B in {messages} messages; minimum {minimum:,d} B "
+              f"(activation + gradient per micro-batch and boundary): {ratio:.4f} {bench.verdict(ratio <= 1.01)}")
+        passed = sum(r["pass"]["bytes"] for r in results)
+        one_pass = (pp - 1) * batch * seq * config.n_embd * 4
+        print(f"          no-gradient pass: {passed:,d} B point-to-point (minimum {one_pass:,d} B: the whole batch's "
+              "activation once per boundary), plus the broadcast of the outputs to every stage")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) step time
+# ---------------------------------------------------------------------------------------------
+def _flops(config, seq: int) -> tuple[float, float]:
+    """Forward FLOPs per sequence of one block and of the LM head (matmuls only)."""
+    width = config.n_embd
+    block = 24 * width * width * seq + 4 * width * seq * seq
+    head = 2 * width * config.vocab_size * seq
+    return block, head
+
+
+def _pipeline_setup(rank, world_size, config, batch, seq, micro):
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        config, pipeline_parallel_size=world_size, micro_batch_size=micro, seed=0
+    ).train()
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def handle(command):
+        model.zero_grad(set_to_none=True)
+        if world_size > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        if world_size > 1:
+            for micro_output in model(input_ids=input_ids, labels=input_ids):
+                micro_output.loss.backward()
+        elif command == "micro-batches":
+            for chunk in input_ids.split(micro):
+                model(input_ids=chunk, labels=chunk, gather_logits=False).loss.backward()
+        else:
+            model(input_ids=input_ids, labels=input_ids, gather_logits=False).loss.backward()
+        return time.perf_counter() - start
+
+    return handle
+
+
+def part_c(config, batch: int, seq: int, micro: int, iters: int) -> None:
+    pp = 2
+    micro_batches = batch // micro
+    block, head = _flops(config, seq)
+    layers = [len(r) for r in _stage_layers(config, pp, config.vocab_size * config.n_embd)]
+    stage_flops = [n * block for n in layers]
+    stage_flops[-1] += head
+    ideal = sum(stage_flops) / (max(stage_flops) * (micro_batches + pp - 1) / micro_batches)
+    print(f"\n(c) training step time, {bench.describe(config)}, batch {batch} x {seq} tokens, "
+          f"{micro_batches} micro-batches of {micro}")
+    print(f"    blocks per stage {layers}; forward GFLOP per sequence by stage "
+          f"{', '.join(f'{f / 1e9:.2f}' for f in stage_flops)}; ideal speed-up for this partition and "
+          f"1F1B with {micro_batches} micro-batches: {ideal:.2f}x")
+    single = bench.WorkerGroup(_pipeline_setup, 1, config, batch, seq, micro, env=False)
+    pipelined = bench.WorkerGroup(_pipeline_setup, pp, config, batch, seq, micro)
+    runs = {
+        "pp=1, micro-batches, 1 thread": (single, "micro-batches"),
+        "pp=1, whole batch, 1 thread": (single, "whole"),
+        "pp=2, 1 thread per rank": (pipelined, "step"),
+    }
+    times = {name: [] for name in runs}
+    try:
+        for group, command in runs.values():
+            group.call(command)  # warm-up
+        names = list(runs)
+        for i in range(iters):
+            for name in names if i % 2 == 0 else names[::-1]:
+                group, command = runs[name]
+                times[name].append(max(group.call(command)))
+    finally:
+        single.close()
+        pipelined.close()
+    medians = {name: bench.median(values) for name, values in times.items()}
+    for name, values in times.items():
+        print(f"    {name:<30} {medians[name]:.3f} s median (runs: {bench.fmt_times(values)})")
+    speedup = medians["pp=1, micro-batches, 1 thread"] / medians["pp=2, 1 thread per rank"]
+    whole = medians["pp=1, whole batch, 1 thread"] / medians["pp=2, 1 thread per rank"]
+    print(f"    speed-up over the same micro-batches in one process: {speedup:.2f}x, {speedup / ideal:.2f} of the "
+          f"ideal {ideal:.2f}x; over the whole batch in one pass: {whole:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["a", "b", "c", "all"], default="all")
+    parser.add_argument("--n-layer", type=int, default=8, help="layers for (c) (gpt2-medium width)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="batch for (c)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size for (c)")
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args(argv)
+    bench.header("pipeline parallelism (gloo, CPU)")
+    ok = True
+    if args.part in ("a", "all"):
+        ok &= part_a(bench.gpt2_config("medium"))
+    if args.part in ("b", "all"):
+        ok &= part_b(bench.gpt2_config("small", n_layer=4, n_embd=256, n_head=4), batch=8, seq=32, micro=2)
+    if args.part in ("c", "all"):
+        part_c(bench.gpt2_config("medium", n_layer=args.n_layer), args.batch, args.seq, args.micro_batch_size,
+               args.iters)
+    print(f"\noverall: {bench.verdict(ok)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
