@@ -51,6 +51,21 @@ def _validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: 
     return pp
 
 
+def _gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int = 2**26) -> Iterator[list[torch.Tensor]]:
+    """Gradients grouped by dtype into buckets of about ``bucket_bytes``, in parameter order: one
+    all-reduce per bucket, and at most one bucket's worth of extra memory."""
+    for dtype in sorted({grad.dtype for grad in grads}, key=str):
+        bucket, size = [], 0
+        for grad in (grad for grad in grads if grad.dtype == dtype):
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+
 class OsloPreTrainedModel(PreTrainedModel):
     """Base of oslo's model classes: a transformers ``PreTrainedModel`` that knows its parallel layout.
 
@@ -120,13 +135,11 @@ class OsloPreTrainedModel(PreTrainedModel):
                 if previous is not None:  # both stages held it, and both added it
                     param.grad.sub_(previous)
             if context.data_parallel_size > 1:
-                grads = [param.grad for param in self.parameters() if param.grad is not None]
-                for dtype in sorted({grad.dtype for grad in grads}, key=str):
-                    group = [grad for grad in grads if grad.dtype == dtype]
-                    flat = torch.cat([grad.reshape(-1) for grad in group])
+                for bucket in _gradient_buckets([param.grad for param in self.parameters() if param.grad is not None]):
+                    flat = torch.cat([grad.reshape(-1) for grad in bucket])
                     torch.distributed.all_reduce(flat, group=context.data_parallel_group)
                     flat.div_(context.data_parallel_size)
-                    for grad, value in zip(group, flat.split([grad.numel() for grad in group]), strict=True):
+                    for grad, value in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
                         grad.copy_(value.view_as(grad))
 
         return reduce
@@ -303,7 +316,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         return self
 
     def gpu_modules(self) -> nn.Module:
-        """The module holding this rank's parameters, to wrap in ``DistributedDataParallel``."""
+        """The module holding this rank's parameters, to wrap in ``DistributedDataParallel`` (not with
+        pipeline parallelism, whose schedule averages gradients over data-parallel replicas itself)."""
         return self
 
     def gpu_parameters(self) -> Iterator[nn.Parameter]:
@@ -431,7 +445,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         cls._validate_parallel_config(config, tp)
         context = cls._context(parallel_context, tp, pp, seed)
         model = cls._build(config, context, dtype, attn_implementation)
-        model.micro_batch_size = micro_batch_size
+        model.set_micro_batch_size(micro_batch_size)
 
         def initialize():
             specs = parameter_specs(model)
@@ -507,7 +521,7 @@ class OsloPreTrainedModel(PreTrainedModel):
 
         context = cls._context(parallel_context, tp, pp, seed)
         model = cls._build(config, context, dtype, attn_implementation)
-        model.micro_batch_size = micro_batch_size
+        model.set_micro_batch_size(micro_batch_size)
         ckpt.load_checkpoint(
             model, checkpoint, model._seeded_local_init, allow_vocab_resize=resize_token_embeddings is not None
         )

@@ -364,3 +364,12 @@ def test_split_checkpoint_of_another_partition_is_refused(lm_checkpoint, tmp_pat
     errors = run_distributed(_load_as, 2, str(tmp_path), "GPT2Model")
     assert [kind for kind, _ in errors] == ["RankFailedError", "ValueError"]  # the second stage's own error
     assert "'h.1.ln_1.weight'" in errors[1][1] and "'model_tp=0_pp=1.safetensors'" in errors[1][1]
+
+
+def test_gradient_buckets_group_by_dtype_and_size():
+    from oslo.models.base import _gradient_buckets
+
+    grads = [torch.zeros(10), torch.zeros(4, dtype=torch.float16), torch.zeros(20), torch.zeros(30), torch.zeros(2)]
+    buckets = list(_gradient_buckets(grads, bucket_bytes=100))  # a bucket closes once it reaches 100 bytes
+    assert [[g.numel() for g in bucket] for bucket in buckets] == [[4], [10, 20], [30], [2]]
+    assert [id(g) for bucket in buckets[1:] for g in bucket] == [id(grads[i]) for i in (0, 2, 3, 4)]  # in order
