@@ -20,7 +20,7 @@ from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
-from oslo.parallel.pipeline import pipeline_pass, pipeline_schedule, split_micro_batches
+from oslo.parallel.pipeline import StageLink, pipeline_pass, pipeline_schedule, split_micro_batches
 from oslo.parallel.plan import ShardSpec, parameter_specs
 
 logger = logging.getLogger(__name__)
@@ -196,21 +196,24 @@ class OsloPreTrainedModel(PreTrainedModel):
             output = output_class(**values)
             return output if return_dict else output.to_tuple()
 
-        if body_kwargs.get("output_hidden_states") or body_kwargs.get("output_attentions"):
-            raise NotImplementedError(
-                "output_hidden_states / output_attentions are not supported with pipeline_parallel_size > 1 yet "
-                "(each stage holds only its own layers)."
-            )
+        # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
+        per_layer = [
+            name for name in ("hidden_states", "attentions")
+            if name in fields and (body_kwargs.get(f"output_{name}") if body_kwargs.get(f"output_{name}") is not None
+                                   else getattr(self.config, f"output_{name}", False))
+        ]
+        stage_outputs: dict[str, tuple] = {}
         batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
 
         def run_stage(batch: dict, received, cache, outputs_needed: bool):
             body_inputs = {name: batch.get(name) for name in inputs}
-            hidden_states = body(**body_inputs, past_key_values=cache, use_cache=cache is not None,
-                                 return_dict=True, stage_input=received, pipeline_stage=True,
-                                 **body_kwargs).last_hidden_state
+            outputs = body(**body_inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True,
+                           stage_input=received, pipeline_stage=True, **body_kwargs)
+            stage_outputs.update({name: getattr(outputs, name) for name in per_layer})
             if not context.is_pipeline_last_stage():
-                return hidden_states
-            return head(hidden_states, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
+                return outputs.last_hidden_state
+            return head(outputs.last_hidden_state, body_inputs, {name: batch.get(name) for name in head_inputs},
+                        outputs_needed)
 
         def wrap(output):
             return output if return_dict else output.to_tuple()
@@ -223,9 +226,11 @@ class OsloPreTrainedModel(PreTrainedModel):
                     "gradients over the data-parallel group itself after the last micro-batch; call the "
                     "model directly."
                 )
-            if past_key_values is not None:
+            if past_key_values is not None or per_layer:
                 raise NotImplementedError(
-                    "past_key_values in a pipeline training step is not supported; call the model without it."
+                    "past_key_values, output_hidden_states and output_attentions are not supported in a pipeline "
+                    "training step (its micro-batch outputs hold the loss); run the model under torch.no_grad() "
+                    "for them."
                 )
             micro_batches = split_micro_batches(batch, self.micro_batch_size)
             return pipeline_schedule(
@@ -244,6 +249,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             cache = self._new_cache()
         names = [name for name in fields if name not in self._PER_LAYER_OUTPUTS]
         values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names)
+        link = StageLink(context)
+        values.update({name: link.gather_stages(stage_outputs[name]) for name in per_layer})
         if "past_key_values" in fields:
             values["past_key_values"] = cache if use_cache else None
         return wrap(output_class(**values))

@@ -386,7 +386,7 @@ class GPT2Model(GPT2PreTrainedModel):
         if self.ln_f is not None:
             hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
-        if output_hidden_states:
+        if output_hidden_states and self.ln_f is not None:  # earlier stages: the next stage's first input
             all_hidden_states += (hidden_states,)
 
         output = BaseModelOutputWithPastAndCrossAttentions(

@@ -212,12 +212,27 @@ class StageLink:
         return tensor
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """Give every stage the last stage's ``tensor``, or ``None`` if it has none (the other stages'
-        argument is ignored)."""
+        """Give every stage the last stage's ``tensor``, or ``None`` if it has none."""
+        return self.broadcast_from(self.context.pipeline_parallel_size - 1, tensor)
+
+    def gather_stages(self, local: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Every stage's tuple of tensors, concatenated in stage order, on every stage (per-layer
+        outputs such as hidden states, whose layers are spread over the stages)."""
+        gathered = []
+        for stage in range(self.context.pipeline_parallel_size):
+            mine = stage == self.context.pipeline_parallel_rank
+            count = self.broadcast_from(stage, torch.tensor(len(local)) if mine else None)
+            gathered.extend(self.broadcast_from(stage, local[i] if mine else None) for i in range(int(count)))
+        return tuple(gathered)
+
+    def broadcast_from(self, stage: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Give every stage the ``tensor`` of stage ``stage``, or ``None`` if it has none (the other
+        stages' argument is ignored)."""
         context = self.context
-        source = context.pipeline_parallel_global_rank(context.pipeline_parallel_size - 1)
+        source = context.pipeline_parallel_global_rank(stage)
         group = context.pipeline_parallel_group
-        if context.is_pipeline_last_stage():
+        is_source = context.pipeline_parallel_rank == stage
+        if is_source:
             if tensor is None:
                 header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
                 header[0] = _NONE
@@ -231,7 +246,7 @@ class StageLink:
         values = header.tolist()
         if values[0] == _NONE:
             return None
-        if not context.is_pipeline_last_stage():
+        if not is_source:
             tensor = torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=context.device)
         dist.broadcast(tensor, source, group=group)
         return tensor

@@ -113,6 +113,26 @@ def test_no_gradient_pass_returns_outputs_on_every_stage(lm_checkpoint, tp, pp):
     run_distributed(_inference, tp * pp, lm_checkpoint, tp)
 
 
+def _per_layer_outputs(rank, world_size, path, tp):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager")
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, attn_implementation="eager"
+    )
+    batch = _batch(seed=5)
+    with torch.no_grad():
+        expected = reference(**batch, output_hidden_states=True, output_attentions=True)
+        actual = model(**batch, output_hidden_states=True, output_attentions=True)
+    for name in ("hidden_states", "attentions"):  # 5 hidden states and 4 attention maps, from every stage
+        assert len(getattr(actual, name)) == len(getattr(expected, name)), name
+        for i, (ours, theirs) in enumerate(zip(getattr(actual, name), getattr(expected, name), strict=True)):
+            torch.testing.assert_close(ours, theirs, msg=lambda m, n=name, i=i: f"{n}[{i}]: {m}")
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_hidden_states_and_attentions_from_every_stage(lm_checkpoint, tp, pp):
+    run_distributed(_per_layer_outputs, tp * pp, lm_checkpoint, tp)
+
+
 def _save(rank, world_size, path, target, tp, merged):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
@@ -296,10 +316,13 @@ def _head_parity(rank, world_size, path, head, tp):
     )
     batch = _head_batch(head)
     with torch.no_grad():  # one pass, outputs on every stage
-        expected, actual = reference(**batch), model(**batch)
+        expected, actual = reference(**batch, output_hidden_states=True), model(**batch, output_hidden_states=True)
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{head}.{k}: {m}")
+    assert len(actual.hidden_states) == len(expected.hidden_states) == 5
+    for ours, theirs in zip(actual.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(ours, theirs)
     if HEADS[head][1] is None:
         return
     losses = [out.loss.detach() for out in model(**batch) if out.loss.backward() is None]
