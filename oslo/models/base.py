@@ -145,7 +145,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         return reduce
 
     # ---- body + head, with or without pipeline stages ------------------------------------------
-    # Inputs of the head that make a training step under pipeline parallelism (a loss to backpropagate).
+    # Inputs of the head that, all given, make a training step under pipeline parallelism (a loss).
     _pipeline_loss_inputs: tuple[str, ...] = ("labels",)
     _PER_LAYER_OUTPUTS = ("past_key_values", "hidden_states", "attentions")
 
@@ -168,7 +168,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         """Run ``body`` (the transformer) and ``head`` on its last hidden state.
 
         Without pipeline parallelism this is ``head(body(**inputs).last_hidden_state, ...)``. With it,
-        the body runs stage by stage and the head on the last stage: a call that has a loss input
+        the body runs stage by stage and the head on the last stage: a call that has the loss inputs
         (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B generator of micro-batch
         outputs (each holding ``loss``); any other call is one pass without gradients whose outputs
         every stage receives.
@@ -218,8 +218,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         def wrap(output):
             return output if return_dict else output.to_tuple()
 
-        if torch.is_grad_enabled() and any(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
-            if DistributedDataParallel._get_active_ddp_module() is not None:
+        if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
+            if getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)() is not None:
                 raise RuntimeError(
                     "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
                     "reduces gradients after the first micro-batch's backward only. The pipeline averages "
