@@ -2,6 +2,7 @@
 
     python examples/demo.py                # launches its own 2 gloo ranks through torchrun
     torchrun --nproc_per_node=2 examples/demo.py
+    python examples/demo.py --tensor-parallel-size 1 --pipeline-parallel-size 2   # 2 pipeline stages
 
 No network and no GPU are needed: the model config, the tokenizer and the training text
 (Jane Austen's *Persuasion*, public domain) are bundled in ``assets/``.
@@ -23,6 +24,8 @@ ASSETS = ROOT / "assets"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=2, help="with pipeline parallelism")
     parser.add_argument("--seconds", type=float, default=60.0, help="training time budget")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=128)
@@ -32,13 +35,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def launch_self(args: argparse.Namespace) -> int:
-    """Re-run this script under torchrun with one process per tensor-parallel rank."""
+    """Re-run this script under torchrun with one process per model-parallel rank."""
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.tensor_parallel_size}", __file__, *sys.argv[1:],
+        f"--nproc_per_node={ranks}", __file__, *sys.argv[1:],
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    print(f"launching {args.tensor_parallel_size} ranks: {' '.join(command[1:])}", flush=True)
+    print(f"launching {ranks} ranks: {' '.join(command[1:])}", flush=True)
     return subprocess.call(command, env=env)
 
 
@@ -56,7 +60,8 @@ def main(args: argparse.Namespace) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ASSETS / "tokenizer")
     config = GPT2Config.from_json_file(ASSETS / "demo_config.json")
     model = oslo.GPT2LMHeadModel.from_config_with_parallel(
-        config, tensor_parallel_size=args.tensor_parallel_size, seed=42
+        config, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        micro_batch_size=args.micro_batch_size, seed=42,
     )
     context = model.parallel_context
     is_main = context.rank == 0
@@ -90,8 +95,16 @@ def main(args: argparse.Namespace) -> None:
             break
         batch = samples[torch.randint(len(samples), (args.batch_size,), generator=generator)]
         optimizer.zero_grad()
-        loss = model(input_ids=batch, labels=batch, gather_logits=False).loss
-        loss.backward()
+        if args.pipeline_parallel_size > 1:
+            # The 1F1B schedule: each output is one micro-batch; its backward is the schedule's step.
+            micro_losses = []
+            for micro_output in model(input_ids=batch, labels=batch):
+                (micro_output.loss / (args.batch_size // args.micro_batch_size)).backward()
+                micro_losses.append(micro_output.loss.detach())
+            loss = torch.stack(micro_losses).mean()
+        else:
+            loss = model(input_ids=batch, labels=batch, gather_logits=False).loss
+            loss.backward()
         model.clip_grad_norm_(1.0)
         optimizer.step()
         step += 1
