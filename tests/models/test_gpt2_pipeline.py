@@ -36,11 +36,13 @@ def _batch(seed=1, batch=4, length=10, vocab=1001):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def _train_step(rank, world_size, path, tp, micro_batch_size, scale):
+def _train_step(rank, world_size, path, tp, micro_batch_size, scale, fuse=False):
     pp = world_size // tp
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=micro_batch_size
     ).train()
+    if fuse:
+        model.fuse()
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
     batch = _batch()
 
@@ -83,6 +85,11 @@ def test_micro_batch_losses_and_gradients_match_transformers(lm_checkpoint, tp, 
     stages = [set(names[p * tp]) for p in range(pp)]
     assert all(not (a & b) for i, a in enumerate(stages) for b in stages[i + 1 :])  # and on one only
     assert "transformer.wte.weight" in stages[0] and "lm_head.weight" in stages[-1]
+
+
+def test_fused_kernels_on_pipeline_stages(lm_checkpoint):
+    """fuse() switches each stage's own blocks; the schedule's losses and gradients are unchanged."""
+    run_distributed(_train_step, 4, lm_checkpoint, 2, 2, 1.0, True)
 
 
 def test_scaled_backward_scales_every_stage(lm_checkpoint):
