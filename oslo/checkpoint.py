@@ -429,14 +429,13 @@ class _Entry:
 def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
     """The saved tensors of every pipeline stage, in stage order (the same list on every rank)."""
     context: ParallelContext = model.parallel_context
-    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
-    targets = set(getattr(model, "_tied_weights_keys", None) or {})
+    copies = model.cross_stage_tied_copies() if hasattr(model, "cross_stage_tied_copies") else {}
     mine = [
         _Entry(
             context.pipeline_parallel_rank, name, tuple(spec.global_shape(tensor.shape) if spec else tensor.shape),
             str(tensor.dtype).removeprefix("torch."),
             None if spec is None else {"kind": spec.kind, "dim": spec.dim, "chunks": spec.chunks},
-            name in twins and name in targets,
+            name in copies,
         )
         for name, tensor, spec in local
     ]
@@ -478,7 +477,7 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
                 for p in range(context.pipeline_parallel_size)
                 for t in range(context.tensor_parallel_size)
             }
-            tied = _tied_keys(model)
+            tied = _tied_keys(model)  # ties within rank 0's stage, and those across stages:
             tied.update({e.name: model._tied_weights_keys[e.name] for e in everything if e.tied_copy})
             index = {
                 "format": "oslo-split",
@@ -521,8 +520,9 @@ def save_merged(
     once, as transformers does.
     """
     context: ParallelContext = model.parallel_context
-    local = {name: (tensor, spec) for name, tensor, spec in _saved_parameters(model)}
-    entries = [e for e in _pipeline_entries(model, list((n, t, s) for n, (t, s) in local.items())) if not e.tied_copy]
+    saved = list(_saved_parameters(model))
+    local = {name: (tensor, spec) for name, tensor, spec in saved}
+    entries = [entry for entry in _pipeline_entries(model, saved) if not entry.tied_copy]
     shards = _plan_shards(entries, max_shard_size)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     stem, ext = weights_name.rsplit(".", 1)

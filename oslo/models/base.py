@@ -113,6 +113,15 @@ class OsloPreTrainedModel(PreTrainedModel):
                 twins[source] = target
         return twins
 
+    def cross_stage_tied_copies(self) -> dict[str, str]:
+        """``{copy: source}`` for this stage's tie targets whose source is on another stage (GPT2's
+        ``lm_head.weight`` on the last stage). Merged checkpoints leave them out, as transformers leaves
+        out tied weights; gradient clipping counts them once; initialization copies the source."""
+        if not getattr(self.config, "tie_word_embeddings", False):
+            return {}
+        targets = set(self._tied_weights_keys or {})
+        return {name: twin for name, twin in self.cross_stage_tied_weights().items() if name in targets}
+
     def pipeline_gradient_reduction(self) -> Callable[[], None]:
         """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
 
@@ -382,12 +391,9 @@ class OsloPreTrainedModel(PreTrainedModel):
         if kind == "zeros":
             return torch.zeros(global_shape)
         # A tie target on another stage than its source (lm_head.weight) starts as the source does.
-        seed_name = self.cross_stage_tied_weights().get(name, name) if name in self._tie_targets() else name
+        seed_name = self.cross_stage_tied_copies().get(name, name)
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
-
-    def _tie_targets(self) -> set[str]:
-        return set(self._tied_weights_keys or {}) if getattr(self.config, "tie_word_embeddings", False) else set()
 
     def _seeded_local_init(self, name: str, spec: ShardSpec | None, global_shape: tuple[int, ...]) -> torch.Tensor:
         full = self._seeded_global_init(name, global_shape, self.parallel_context.seed)

@@ -31,8 +31,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     specs = parameter_specs(model)
     # A weight tied across pipeline stages (GPT2's lm_head on the last stage, twin of wte on the first)
     # has the same gradient on both: count it on the stage that holds the tie's source only.
-    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
-    copies = {name for name in twins if name in (getattr(model, "_tied_weights_keys", None) or {})}
+    copies = model.cross_stage_tied_copies() if hasattr(model, "cross_stage_tied_copies") else {}
     grads_split, grads_replicated, grads_copies = [], [], []
     for name, param in model.named_parameters():
         if param.grad is None:
