@@ -309,8 +309,7 @@ class GPT2Model(GPT2PreTrainedModel):
         if self.parallel_context.pipeline_parallel_size > 1 and not pipeline_stage:
             return self._forward_with_head(
                 self,
-                dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                     position_ids=position_ids, inputs_embeds=inputs_embeds),
+                _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
                 {},
                 lambda hidden_states, inputs, head_inputs, outputs_needed: {"last_hidden_state": hidden_states},
                 BaseModelOutputWithPastAndCrossAttentions,
