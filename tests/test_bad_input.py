@@ -155,3 +155,24 @@ def test_any_divisor_of_heads_works(tmp_path):
     # tp=3 is not a power of two: any tp dividing the heads is fine.
     save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(n_embd=48, n_head=6), tmp_path)
     run_distributed(_tp3_parity, 3, str(tmp_path))
+
+
+def _labels_outside_vocab(rank, world_size, path, pp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=world_size // pp, pipeline_parallel_size=pp
+    )
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    labels = torch.tensor([[5, 6, 1001, 8]])  # vocab_size is 1001
+    with pytest.raises(ValueError, match=r"token id 1001, outside the vocabulary \[0, 1001\)"):
+        out = model(input_ids=input_ids, labels=labels)
+        next(iter(out)) if pp > 1 else out.loss
+    with torch.no_grad(), pytest.raises(ValueError, match="resize_token_embeddings"):
+        model(input_ids=input_ids, labels=labels.masked_fill(labels == 1001, -5))
+    assert model(input_ids=input_ids, labels=labels.masked_fill(labels == 1001, -100)) is not None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_labels_outside_the_vocabulary_fail_every_rank(lm_checkpoint, pp):
+    """The vocabulary-split loss cannot see such a label; transformers' loss raises, so do we, on every
+    rank (with pipelines, also on the stages that never compute the loss)."""
+    run_distributed(_labels_outside_vocab, 2, lm_checkpoint, pp)

@@ -44,6 +44,7 @@ from oslo.parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
+from oslo.parallel.loss import check_labels
 from oslo.parallel.mappings import gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers, partition_layers
 
@@ -455,6 +456,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         output on every stage.
         """
         num_items_in_batch = kwargs.get("num_items_in_batch")
+        if labels is not None:
+            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
 
         def head(hidden_states, inputs, head_inputs, outputs_needed):
             local_logits = self.lm_head(_keep_last(hidden_states, logits_to_keep))  # (B, T, V_local)
@@ -510,6 +513,8 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         **kwargs,
     ) -> GPT2DoubleHeadsModelOutput | tuple:
+        if labels is not None:
+            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
         if self.parallel_context.pipeline_parallel_size > 1 and mc_labels is not None and torch.is_grad_enabled():
             raise NotImplementedError(
                 "GPT2DoubleHeadsModel with pipeline_parallel_size > 1 trains on the language-modeling loss only: "

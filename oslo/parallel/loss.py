@@ -57,6 +57,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+    """Raise if ``labels`` hold a token id outside ``[0, vocab_size)`` other than ``ignore_index``.
+
+    Vocabulary-split logits cannot see such an id (no rank's shard holds it), so without this check
+    its loss would silently be computed against a logit of 0; transformers' unsplit loss raises.
+    Models call it on every rank before any communication.
+
+    Raises:
+        ValueError: naming the first offending value, the vocabulary size and the fix.
+    """
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bad.any():
+        value = int(labels[bad][0])
+        raise ValueError(
+            f"labels hold the token id {value}, outside the vocabulary [0, {vocab_size}): every label must be a "
+            f"token id below vocab_size={vocab_size}, or {ignore_index} to ignore the position. Check that the "
+            "tokenizer matches the model (or build it with resize_token_embeddings=len(tokenizer))."
+        )
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
