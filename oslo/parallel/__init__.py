@@ -8,7 +8,7 @@ from oslo.parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from oslo.parallel.loss import causal_lm_loss, vocab_parallel_cross_entropy
+from oslo.parallel.loss import causal_lm_loss, check_labels, vocab_parallel_cross_entropy
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -32,5 +32,6 @@ __all__ = [
     "gather_from_tensor_parallel",
     "vocab_parallel_cross_entropy",
     "causal_lm_loss",
+    "check_labels",
     "clip_grad_norm_",
 ]
