@@ -176,3 +176,17 @@ def test_labels_outside_the_vocabulary_fail_every_rank(lm_checkpoint, pp):
     """The vocabulary-split loss cannot see such a label; transformers' loss raises, so do we, on every
     rank (with pipelines, also on the stages that never compute the loss)."""
     run_distributed(_labels_outside_vocab, 2, lm_checkpoint, pp)
+
+
+def _class_labels_out_of_range(rank, world_size, path, head):
+    model = getattr(oslo, head).from_pretrained_with_parallel(path, pipeline_parallel_size=2, num_labels=3)
+    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    labels = torch.tensor([0, 3]) if head == "GPT2ForSequenceClassification" else torch.tensor([[0, 1, 2, 3]] * 2)
+    with pytest.raises(ValueError, match=r"labels hold the class 3, outside \[0, 3\) for num_labels=3"):
+        model(input_ids=input_ids, labels=labels)
+
+
+@pytest.mark.parametrize("head", ["GPT2ForSequenceClassification", "GPT2ForTokenClassification"])
+def test_class_labels_out_of_range_fail_every_stage(lm_checkpoint, head):
+    """Only the last stage computes the loss; every stage must raise, not wait for it."""
+    run_distributed(_class_labels_out_of_range, 2, lm_checkpoint, head)

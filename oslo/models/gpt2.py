@@ -569,6 +569,9 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast | tuple:
+        if labels is not None and self.num_labels > 1 and labels.dtype in (torch.long, torch.int):
+            if self.config.problem_type in (None, "single_label_classification"):  # cross entropy on classes
+                check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if self.config.pad_token_id is None and batch_size != 1:
             raise ValueError(
@@ -652,6 +655,9 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
+        if labels is not None:
+            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
+
         def head(hidden_states, inputs, head_inputs, outputs_needed):
             logits = self.classifier(self.dropout(hidden_states))
             loss = None

@@ -57,24 +57,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
-    """Raise if ``labels`` hold a token id outside ``[0, vocab_size)`` other than ``ignore_index``.
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100, classes: bool = False) -> None:
+    """Raise if ``labels`` hold a value outside ``[0, vocab_size)`` other than ``ignore_index``.
 
     Vocabulary-split logits cannot see such an id (no rank's shard holds it), so without this check
     its loss would silently be computed against a logit of 0; transformers' unsplit loss raises.
-    Models call it on every rank before any communication.
+    Models call it on every rank before any communication (with pipelines only the last stage
+    computes the loss: the others must fail too, not wait). ``classes=True`` words the error for
+    class labels (``vocab_size`` is then ``num_labels``).
 
     Raises:
-        ValueError: naming the first offending value, the vocabulary size and the fix.
+        ValueError: naming the first offending value, the allowed range and the fix.
     """
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
-    if bad.any():
-        value = int(labels[bad][0])
+    if not bad.any():
+        return
+    value = int(labels[bad][0])
+    if classes:
         raise ValueError(
-            f"labels hold the token id {value}, outside the vocabulary [0, {vocab_size}): every label must be a "
-            f"token id below vocab_size={vocab_size}, or {ignore_index} to ignore the position. Check that the "
-            "tokenizer matches the model (or build it with resize_token_embeddings=len(tokenizer))."
+            f"labels hold the class {value}, outside [0, {vocab_size}) for num_labels={vocab_size}: pass class "
+            f"indices below num_labels, or {ignore_index} to ignore a position (or load the model with "
+            "num_labels=N for N classes)."
         )
+    raise ValueError(
+        f"labels hold the token id {value}, outside the vocabulary [0, {vocab_size}): every label must be a "
+        f"token id below vocab_size={vocab_size}, or {ignore_index} to ignore the position. Check that the "
+        "tokenizer matches the model (or build it with resize_token_embeddings=len(tokenizer))."
+    )
 
 
 def vocab_parallel_cross_entropy(
