@@ -403,3 +403,25 @@ def test_gradient_buckets_group_by_dtype_and_size():
     buckets = list(_gradient_buckets(grads, bucket_bytes=100))  # a bucket closes once it reaches 100 bytes
     assert [[g.numel() for g in bucket] for bucket in buckets] == [[4], [10, 20], [30], [2]]
     assert [id(g) for bucket in buckets[1:] for g in bucket] == [id(grads[i]) for i in (0, 2, 3, 4)]  # in order
+
+
+def _resized(rank, world_size, path, tp, target):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, resize_token_embeddings=1100, seed=3
+    )
+    model.save_pretrained_with_parallel(target, save_with_merging=True)
+    params = full_params(model)
+    return {name: params[name] for name in ("transformer.wte.weight", "lm_head.weight") if name in params}
+
+
+def test_resized_vocabulary_is_the_same_on_both_copies_and_at_every_layout(lm_checkpoint, tmp_path):
+    """New rows of wte (first stage) and of its copy in lm_head (last stage) come from the same seed."""
+    run_distributed(_resized, 1, lm_checkpoint, 1, str(tmp_path / "single"))
+    stages = run_distributed(_resized, 4, lm_checkpoint, 2, str(tmp_path / "tp2pp2"))
+    wte, lm_head = stages[0]["transformer.wte.weight"], stages[-1]["lm_head.weight"]
+    assert wte.shape == (1100, 32)
+    torch.testing.assert_close(lm_head, wte, rtol=0, atol=0)
+    single = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "single")).state_dict()
+    pipelined = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "tp2pp2")).state_dict()
+    for name in single:
+        torch.testing.assert_close(single[name], pipelined[name], rtol=0, atol=0, msg=name)
