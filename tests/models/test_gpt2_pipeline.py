@@ -425,3 +425,22 @@ def test_resized_vocabulary_is_the_same_on_both_copies_and_at_every_layout(lm_ch
     pipelined = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "tp2pp2")).state_dict()
     for name in single:
         torch.testing.assert_close(single[name], pipelined[name], rtol=0, atol=0, msg=name)
+
+
+def _autocast_step(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=2)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    batch = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # around the loop, as a user writes it
+        losses = [out.loss.detach() for out in model(**batch) if out.loss.backward() is None]
+        expected = [reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss.detach() for i in (0, 2)]
+    # bfloat16 matmuls: torch.testing's bfloat16 tolerances (rtol 1.6e-2) on float32 losses.
+    for ours, theirs in zip(losses, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1.6e-2, atol=1e-5)
+    full_precision = reference(**{k: v[:2] for k, v in batch.items()}).loss.detach()
+    assert not torch.equal(losses[0], full_precision)  # autocast reached the stages' forward passes
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_autocast_around_the_micro_batch_loop(lm_checkpoint):
+    run_distributed(_autocast_step, 2, lm_checkpoint)
