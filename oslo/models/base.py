@@ -391,7 +391,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         if kind == "zeros":
             return torch.zeros(global_shape)
         # A tie target on another stage than its source (lm_head.weight) starts as the source does.
-        seed_name = self.cross_stage_tied_copies().get(name, name)
+        # (Only tie targets can be copies: the map walks every parameter, so do not build it for each.)
+        seed_name = self.cross_stage_tied_copies().get(name, name) if name in (self._tied_weights_keys or {}) else name
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
 
