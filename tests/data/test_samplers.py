@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, WeightedRandomSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 
 from oslo.data import DistributedProxySampler, InfiniteDataLoader
 
@@ -19,6 +26,26 @@ def _shards(sampler_factory, replicas, epoch=0, **kwargs):
     return shards
 
 
+def _replica_shards(sampler_factory, replicas, epoch=0, **kwargs):
+    """Like ``_shards``, but every replica iterates from its own global RNG state, as separate processes
+    that called ``torch.manual_seed(rank)`` would; ``sampler_factory`` gets the rank."""
+    shards = []
+    for rank in range(replicas):
+        sampler = DistributedProxySampler(sampler_factory(rank), num_replicas=replicas, rank=rank, **kwargs)
+        sampler.set_epoch(epoch)
+        torch.manual_seed(100 + rank)
+        shards.append(list(sampler))
+    return shards
+
+
+def _interleave(shards):
+    return [shard[i] for i in range(len(shards[0])) for shard in shards]
+
+
+def _weighted(generator=None, num_samples=30):
+    return WeightedRandomSampler([0.1] * 10 + [5.0] * 2, num_samples=num_samples, generator=generator)
+
+
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_shards_are_disjoint_and_complete(replicas, shuffle):
@@ -30,13 +57,83 @@ def test_shards_are_disjoint_and_complete(replicas, shuffle):
 
 def test_shards_follow_the_wrapped_sampler():
     # the wrapped sampler draws with replacement; the shards must split exactly what it drew
-    def weighted():
-        generator = torch.Generator().manual_seed(3)
-        return WeightedRandomSampler([0.1] * 10 + [5.0] * 2, num_samples=30, generator=generator)
+    drawn = list(DistributedProxySampler(_weighted(), num_replicas=1, rank=0, shuffle=False))
+    assert len(drawn) == 30 and sum(i >= 10 for i in drawn) > 20  # the heavy indices dominate
+    for shuffle in (False, True):
+        shards = _shards(_weighted, 3, shuffle=shuffle)
+        assert sorted(sum(shards, [])) == sorted(drawn)
+    assert _interleave(_shards(_weighted, 3, shuffle=False)) == drawn
 
-    drawn = list(weighted())
-    shards = _shards(weighted, 3)
-    assert sorted(sum(shards, [])) == sorted(drawn)
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_replicas_with_different_global_rng_states_get_disjoint_shards(replicas, shuffle):
+    # RandomSampler without a generator seeds its draw from the global RNG, which differs per process
+    shards = _replica_shards(lambda rank: RandomSampler(range(24)), replicas, shuffle=shuffle)
+    for a in range(replicas):
+        for b in range(a + 1, replicas):
+            assert not set(shards[a]) & set(shards[b]), (a, b)
+    assert sorted(sum(shards, [])) == list(range(24))
+    assert _interleave(shards) == list(
+        DistributedProxySampler(RandomSampler(range(24)), num_replicas=1, rank=0, shuffle=shuffle)
+    )
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_replicas_with_differently_seeded_weighted_samplers_split_one_draw(own_generator, shuffle):
+    # drawn with replacement, so indices repeat: compare positions, not sets. Each replica's
+    # WeightedRandomSampler has its own generator seeded with its rank, or draws from the global RNG
+    def factory(rank):
+        return _weighted(torch.Generator().manual_seed(rank) if own_generator else None, num_samples=60)
+
+    drawn = list(DistributedProxySampler(factory(0), num_replicas=1, rank=0, shuffle=shuffle))
+    for replicas in (2, 3, 4):
+        shards = _replica_shards(factory, replicas, shuffle=shuffle)
+        assert _interleave(shards) == drawn  # shard r holds positions r, r + replicas, ... of one draw
+        assert [len(shard) for shard in shards] == [60 // replicas] * replicas
+
+
+def test_own_generator_is_set_aside_and_restored():
+    generator = torch.Generator().manual_seed(7)
+    generator_state = generator.get_state()
+    weighted = _weighted(generator)
+    sampler = DistributedProxySampler(weighted, num_replicas=2, rank=1)
+    global_state = torch.get_rng_state()
+    first = list(sampler)
+    assert weighted.generator is generator
+    assert torch.equal(generator.get_state(), generator_state)  # neither used nor advanced
+    assert torch.equal(torch.get_rng_state(), global_state)  # the global RNG is left as it was
+    assert list(sampler) == first
+
+    class Failing(Sampler):
+        def __init__(self):
+            self.generator = generator
+
+        def __iter__(self):
+            assert self.generator is not generator
+            raise RuntimeError("draw failed")
+
+        def __len__(self):
+            return 4
+
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="draw failed"):
+        list(DistributedProxySampler(failing, num_replicas=2, rank=0))
+    assert failing.generator is generator
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_draws_differ_across_epochs_and_seeds(own_generator):
+    def draw(epoch, seed=0):
+        generator = torch.Generator().manual_seed(1) if own_generator else None
+        sampler = DistributedProxySampler(_weighted(generator), num_replicas=1, rank=0, shuffle=False, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+    assert draw(1, seed=5) != draw(1, seed=6)
 
 
 def test_deterministic_per_epoch_and_different_across_epochs():
