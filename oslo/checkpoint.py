@@ -263,14 +263,30 @@ def load_checkpoint(
         allow_vocab_resize: The vocabulary dimension may differ from the checkpoint's.
     """
     context: ParallelContext = model.parallel_context
-    run_on_all_ranks(
+    keys, used, missing = run_on_all_ranks(
         context,
         lambda: _load_local(model, checkpoint, init_missing, allow_vocab_resize),
         f"loading {checkpoint.directory}",
     )
+    # What is missing or unused is decided over all stages (each holds only its own layers), and
+    # reported once.
+    if context.pipeline_parallel_size > 1:
+        stages: list = [None] * context.pipeline_parallel_size
+        dist.all_gather_object(stages, (keys, used, missing), group=context.pipeline_parallel_group)
+        keys = set().union(*(stage[0] for stage in stages))
+        used = set().union(*(stage[1] for stage in stages))
+        missing = [name for stage in stages for name in stage[2]]
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in keys - used if not any(p.search(k) for p in ignore))
+    if missing and context.rank == 0:
+        logger.warning("Newly initialized (not in %s): %s", checkpoint.directory, missing)
+    if unexpected and context.rank == 0:
+        logger.warning("Unused weights of %s: %s", checkpoint.directory, unexpected)
 
 
-def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
+def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[set[str], set[str], list[str]]:
+    """Load this rank's parameters; return (the checkpoint keys this rank saw, those it used, the
+    parameters it initialized because the checkpoint lacks them)."""
     context: ParallelContext = model.parallel_context
     specs = parameter_specs(model)
     if checkpoint.kind == "split":
@@ -311,13 +327,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> None:
                                                                                         s.dim, a, b))
             param.copy_(value)
             used.add(key)
-
-    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-    unexpected = sorted(k for k in keys - used if not any(p.search(k) for p in ignore))
-    if missing and context.rank == 0:
-        logger.warning("Newly initialized (not in %s): %s", checkpoint.directory, missing)
-    if unexpected and context.rank == 0:
-        logger.warning("Unused weights of %s: %s", checkpoint.directory, unexpected)
+    return keys, used, missing
 
 
 def _rows(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -446,12 +456,13 @@ def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
     return [entry for stage in stages for entry in stage]
 
 
-def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool) -> None:
+def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool,
+           save_function: Callable[[dict, str], None] | None = None) -> None:
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     if safe_serialization:
         save_file(tensors, path, metadata={"format": "pt"})
     else:
-        torch.save(tensors, path)
+        (save_function or torch.save)(tensors, path)
 
 
 def _save_config(model, directory: str) -> None:
@@ -462,7 +473,8 @@ def _save_config(model, directory: str) -> None:
         model.generation_config.save_pretrained(directory)
 
 
-def save_split(model: nn.Module, directory: str, safe_serialization: bool = True, save_config: bool = True) -> None:
+def save_split(model: nn.Module, directory: str, safe_serialization: bool = True, save_config: bool = True,
+               save_function: Callable[[dict, str], None] | None = None) -> None:
     """Each model-parallel rank (of data-parallel replica 0) writes its local tensors to its own file."""
     context: ParallelContext = model.parallel_context
     entries = list(_saved_parameters(model))
@@ -470,7 +482,7 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
     with _staging_directory(context, directory) as staging:
         if context.data_parallel_rank == 0:
             name = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank, safe_serialization)
-            _write({n: t for n, t, _ in entries}, os.path.join(staging, name), safe_serialization)
+            _write({n: t for n, t, _ in entries}, os.path.join(staging, name), safe_serialization, save_function)
         if context.rank == 0:
             files = {
                 split_file_name(t, p, safe_serialization): [e.name for e in everything if e.stage == p]
@@ -511,6 +523,7 @@ def save_merged(
     safe_serialization: bool = True,
     max_shard_size: int = 5 * 10**9,
     save_config: bool = True,
+    save_function: Callable[[dict, str], None] | None = None,
 ) -> None:
     """Write a plain Hugging Face checkpoint: every parameter gathered to rank 0, unpadded, unfused.
 
@@ -548,16 +561,17 @@ def save_merged(
                             parts = gather_to_first(tensor, context.tensor_parallel_group, first_tp)
                             full = spec.merge(parts) if parts is not None else None
                         if entry.stage != 0 and context.tensor_parallel_rank == 0:
-                            dist.send(full.contiguous(), writer)
+                            dist.send(full.contiguous(), writer, group=context.pipeline_parallel_group)
                     elif context.rank == 0:
                         full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
-                        dist.recv(full, context.pipeline_parallel_global_rank(entry.stage))
+                        dist.recv(full, context.pipeline_parallel_global_rank(entry.stage),
+                                  group=context.pipeline_parallel_group)
                     if context.rank == 0:
                         tensors[entry.name] = full
                         weight_map[entry.name] = file_name
                         total += entry.nbytes
                 if context.rank == 0:
-                    _write(tensors, os.path.join(staging, file_name), safe_serialization)
+                    _write(tensors, os.path.join(staging, file_name), safe_serialization, save_function)
             if context.rank == 0 and len(names) > 1:
                 index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
                 with open(os.path.join(staging, index_name), "w") as f:

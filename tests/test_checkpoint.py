@@ -112,10 +112,10 @@ def _save_and_die(rank, world_size, source, target):
             param.add_(1.0)
     original = ckpt._write
 
-    def failing_write(tensors, path, safe_serialization):
+    def failing_write(tensors, path, *args):
         if rank == 1:
             raise OSError("disk full (simulated)")
-        original(tensors, path, safe_serialization)
+        original(tensors, path, *args)
 
     ckpt._write = failing_write
     model.save_pretrained_with_parallel(target)

@@ -6,10 +6,13 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import cache
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList
@@ -17,10 +20,20 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
+from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
-from oslo.parallel.pipeline import StageLink, pipeline_pass, pipeline_schedule, split_micro_batches
+from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
+from oslo.parallel.loss import LossSum, average_loss
+from oslo.parallel.pipeline import (
+    PipelineStep,
+    StageLink,
+    TimelineEvent,
+    pipeline_pass,
+    pipeline_schedule,
+    split_micro_batches,
+)
 from oslo.parallel.plan import ShardSpec, parameter_specs
 
 logger = logging.getLogger(__name__)
@@ -51,19 +64,35 @@ def _validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: 
     return pp
 
 
-def _gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int = 2**26) -> Iterator[list[torch.Tensor]]:
-    """Gradients grouped by dtype into buckets of about ``bucket_bytes``, in parameter order: one
-    all-reduce per bucket, and at most one bucket's worth of extra memory."""
-    for dtype in sorted({grad.dtype for grad in grads}, key=str):
-        bucket, size = [], 0
-        for grad in (grad for grad in grads if grad.dtype == dtype):
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+_LOGITS_NOT_GATHERED = (
+    "logits were not gathered: a training call (labels given, gradients enabled, model.train()) computes the "
+    "loss on the vocabulary-split logits and skips assembling the full logits, a batch x sequence x vocabulary "
+    "all-gather the loss does not need. Pass gather_logits=True to get them; under torch.no_grad(), in eval "
+    "mode or without labels they are gathered as before."
+)
+
+
+class _LogitsNotGathered:
+    """Mixin of an output class whose ``logits`` were left out on purpose: asking for them raises."""
+
+    def __getattribute__(self, name: str):
+        if name == "logits":
+            raise AttributeError(_LOGITS_NOT_GATHERED)
+        return super().__getattribute__(name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in self.items())})"
+
+    def __reduce__(self):
+        plain = type(self).__mro__[2]  # the transformers output class
+        return plain, tuple(self.__dict__.get(field) for field in plain.__dataclass_fields__)
+
+
+@cache
+def logits_not_gathered(output_class: type) -> type:
+    """``output_class`` (a transformers ``ModelOutput``) whose ``logits`` attribute raises an error that says
+    why they are missing and how to get them (``gather_logits=True``)."""
+    return type(output_class.__name__, (_LogitsNotGathered, output_class), {"__module__": output_class.__module__})
 
 
 class OsloPreTrainedModel(PreTrainedModel):
@@ -79,6 +108,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         super().__init__(config)
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
         self.micro_batch_size = 1
+        # Set to a list to record this stage's forward and backward passes in pipeline training steps
+        # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
+        self.pipeline_timeline: list[TimelineEvent] | None = None
+        self._overflow_check_pending = False
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Rows per micro-batch of pipeline parallelism (no effect without it)."""
@@ -122,36 +155,107 @@ class OsloPreTrainedModel(PreTrainedModel):
         targets = set(self._tied_weights_keys or {})
         return {name: twin for name, twin in self.cross_stage_tied_weights().items() if name in targets}
 
-    def pipeline_gradient_reduction(self) -> Callable[[], None]:
+    def pipeline_gradient_reduction(self, average_replicas: bool = True, half: bool = False) -> Callable[[bool], None]:
         """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
 
-        Returns a function that (1) sums the gradients a step added to weights tied across the first
-        and last stage, so both copies get the gradient the single tied weight would, and (2) averages
-        gradients over the data-parallel group, as ``DistributedDataParallel`` would. Gradients
-        accumulated before the step (several batches per optimizer step) are not counted twice: the
-        snapshot of the tied gradients is taken now, at the start of the step.
+        Returns a function ``reduce(scaled)`` that (1) sums the gradients a step added to weights tied
+        across the first and last stage, so both copies get the gradient the single tied weight would,
+        (2) averages gradients over the data-parallel group, as ``DistributedDataParallel`` would (unless
+        ``average_replicas=False``: inside DDP's ``no_sync()``), and (3) makes the ranks of the model
+        agree on non-finite gradients, so that a gradient scaler skips the step on all of them or on
+        none (each rank looks for them when ``half`` (float16 compute) or ``scaled`` (a backward seeded
+        by a loss scale)). Gradients accumulated before the step (several batches per optimizer step)
+        are not counted twice: the snapshot of the tied gradients is taken now, at the start of the step.
         """
         context = self.parallel_context
         parameters = dict(self.named_parameters())
         tied = [parameters[name] for name in sorted(self.cross_stage_tied_weights())]  # same order on both
         before = [param.grad.detach().clone() if param.grad is not None else None for param in tied]
 
-        def reduce() -> None:
+        def reduce(scaled: bool) -> None:
             for param, previous in zip(tied, before, strict=True):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 torch.distributed.all_reduce(param.grad, group=context.embedding_group)
                 if previous is not None:  # both stages held it, and both added it
                     param.grad.sub_(previous)
-            if context.data_parallel_size > 1:
-                for bucket in _gradient_buckets([param.grad for param in self.parameters() if param.grad is not None]):
-                    flat = torch.cat([grad.reshape(-1) for grad in bucket])
-                    torch.distributed.all_reduce(flat, group=context.data_parallel_group)
-                    flat.div_(context.data_parallel_size)
-                    for grad, value in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
-                        grad.copy_(value.view_as(grad))
+            grads = [param.grad for param in self.parameters() if param.grad is not None]
+            if average_replicas:
+                average_over_replicas(grads, context)
+            agree_on_nonfinite_gradients(grads, context, scan=half or scaled)
 
         return reduce
+
+    # ---- losses: what a gradient averages over ---------------------------------------------------
+    def _computes_in_half(self) -> bool:
+        """Whether this call computes in float16 (autocast or float16 weights): gradients may overflow."""
+        device_type = self.parallel_context.device.type
+        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
+        return autocast or self.dtype == torch.float16
+
+    def _overflow_agreement(self, half: bool) -> Callable[[torch.Tensor], None] | None:
+        """``on_backward`` for a loss at tensor parallelism without pipelines: at the end of the backward
+        pass the tensor-parallel ranks agree on non-finite gradients (see
+        :func:`~oslo.parallel.agreement.agree_on_nonfinite_gradients`), so a gradient scaler skips the
+        step on every rank or on none. They look (and exchange one flag) when computing in float16 or when
+        the backward is seeded by a loss scale, as with a gradient scaler; other backward passes cost
+        nothing."""
+        if self.parallel_context.tensor_parallel_size == 1 or not torch.is_grad_enabled():
+            return None
+        engine = torch.autograd.Variable._execution_engine
+
+        def check(scan: bool) -> None:
+            try:
+                agree_on_nonfinite_gradients([p.grad for p in self.parameters()], self.parallel_context, scan)
+            finally:
+                self._overflow_check_pending = False
+
+        def on_backward(grad: torch.Tensor) -> None:
+            if self._overflow_check_pending:  # two losses of this model in one backward: check once
+                return
+            self._overflow_check_pending = True
+            scan = half or not bool((grad == 1).all())
+            # Queued by a callback, so it runs after every callback queued during the backward pass
+            # (DistributedDataParallel copies its averaged gradients into .grad in one of those).
+            engine.queue_callback(lambda: engine.queue_callback(lambda: check(scan)))
+
+        return on_backward
+
+    def _average_losses(
+        self,
+        values: dict,
+        batch: dict,
+        loss_items: Callable[[dict], dict[str, torch.Tensor]] | None,
+        num_items_in_batch,
+        divisors: dict[str, torch.Tensor] | None = None,
+        on_backward: Callable[[torch.Tensor], None] | None = None,
+    ) -> dict:
+        """Replace each :class:`~oslo.parallel.loss.LossSum` of a head's ``values`` by the loss tensor.
+
+        Its value is the mean over the items of ``batch`` (transformers' loss of that batch), or the sum
+        divided by ``num_items_in_batch`` when the caller gives one, as transformers does. Its gradient
+        averages over ``divisors`` when given: the items of the whole batch this step trains on.
+        """
+        losses = {name: value for name, value in values.items() if isinstance(value, LossSum)}
+        if not losses:
+            return values
+        items = loss_items(batch) if num_items_in_batch is None else {}
+        for name, loss in losses.items():
+            count = num_items_in_batch if num_items_in_batch is not None else items[name]
+            divisor = divisors.get(name) if divisors is not None else None
+            values[name] = average_loss(loss, count, divisor, on_backward)
+        return values
+
+    def _step_divisors(self, loss_items, batches: list[dict]) -> dict[str, torch.Tensor]:
+        """Items of each loss over ``batches`` and every data-parallel replica's batches, divided by the
+        number of replicas (whose gradients are then averaged): the divisors that make each replica's
+        gradient its share of the global batch's mean, as one process would compute it."""
+        counts: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            for name, count in loss_items(batch).items():
+                counts[name] = counts[name] + count if name in counts else count
+        counts = sum_over_replicas(counts, self.parallel_context)
+        return {name: count / self.parallel_context.data_parallel_size for name, count in counts.items()}
 
     # ---- body + head, with or without pipeline stages ------------------------------------------
     # Inputs of the head that, all given, make a training step under pipeline parallelism (a loss).
@@ -173,14 +277,21 @@ class OsloPreTrainedModel(PreTrainedModel):
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         body_kwargs: dict | None = None,
+        loss_items: Callable[[dict], dict[str, torch.Tensor]] | None = None,
+        num_items_in_batch=None,
     ):
         """Run ``body`` (the transformer) and ``head`` on its last hidden state.
 
         Without pipeline parallelism this is ``head(body(**inputs).last_hidden_state, ...)``. With it,
         the body runs stage by stage and the head on the last stage: a call that has the loss inputs
-        (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B generator of micro-batch
-        outputs (each holding ``loss``); any other call is one pass without gradients whose outputs
-        every stage receives.
+        (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B micro-batch outputs
+        (a :class:`~oslo.parallel.pipeline.PipelineStep`, each output holding ``loss``); any other call
+        is one pass without gradients whose outputs every stage receives.
+
+        Losses average as one process averages the whole batch: each loss output is the mean over
+        its own (micro-)batch's items, and its gradient is the sum's share of the whole step's items
+        (every micro-batch, every data-parallel replica when their gradients are averaged), so the
+        gradients after the step equal those of the global batch on one process.
 
         Args:
             body: Called as ``body(**inputs, past_key_values=..., use_cache=..., return_dict=True, ...)``;
@@ -189,18 +300,35 @@ class OsloPreTrainedModel(PreTrainedModel):
             inputs: The body's batch inputs (``input_ids``, ``attention_mask``, ...; ``None`` allowed).
             head_inputs: Batch tensors only the head uses (``labels``, ``mc_token_ids``, ...).
             head: ``head(hidden_states, inputs, head_inputs, outputs_needed)`` returns the output fields
-                other than the per-layer ones; ``outputs_needed=False`` (pipeline training) means only
-                ``loss`` is used.
+                other than the per-layer ones, losses as :class:`~oslo.parallel.loss.LossSum`;
+                ``outputs_needed=False`` (pipeline training) means only ``loss`` is used.
             output_class: The transformers ``ModelOutput`` to return.
+            loss_items: ``loss_items(batch)`` gives, for each loss the head returns, its item counts
+                per term in ``batch`` (a dict of the inputs and head inputs), from the labels alone.
+            num_items_in_batch: Divide the losses' sums by this instead (transformers' ``Trainer``
+                passes it).
         """
         body_kwargs = body_kwargs or {}
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         fields = list(output_class.__dataclass_fields__)
         context = self.parallel_context
+        ddp = active_data_parallel_wrapper(context)
+        pending = self.__dict__.pop("_ddp_sync_to_restore", None)
+        if pending is not None:  # an earlier pipeline step under DDP that was never started
+            pending[0].require_backward_grad_sync = pending[1]
+        batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
+        has_loss_inputs = any(value is not None for value in head_inputs.values())
+
         if context.pipeline_parallel_size == 1:
+            divisors = None
+            if ddp is not None and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
+                    and num_items_in_batch is None and context.data_parallel_size > 1:
+                divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
+            on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
             outputs = body(**inputs, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
                            **body_kwargs)
             values = head(outputs.last_hidden_state, inputs, head_inputs, True)
+            self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
             values.update({name: getattr(outputs, name) for name in self._PER_LAYER_OUTPUTS if name in fields})
             output = output_class(**values)
             return output if return_dict else output.to_tuple()
@@ -212,29 +340,23 @@ class OsloPreTrainedModel(PreTrainedModel):
                                    else getattr(self.config, f"output_{name}", False))
         ]
         stage_outputs: dict[str, tuple] = {}
-        batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
 
-        def run_stage(batch: dict, received, cache, outputs_needed: bool):
+        def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
             body_inputs = {name: batch.get(name) for name in inputs}
-            outputs = body(**body_inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True,
-                           stage_input=received, pipeline_stage=True, **body_kwargs)
+            with self._model_call():  # a part of this call (the schedule runs it later): no input check
+                outputs = body(**body_inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True,
+                               stage_input=received, pipeline_stage=True, **body_kwargs)
             stage_outputs.update({name: getattr(outputs, name) for name in per_layer})
             if not context.is_pipeline_last_stage():
                 return outputs.last_hidden_state
-            return head(outputs.last_hidden_state, body_inputs, {name: batch.get(name) for name in head_inputs},
-                        outputs_needed)
+            values = head(outputs.last_hidden_state, body_inputs, {name: batch.get(name) for name in head_inputs},
+                          outputs_needed)
+            return self._average_losses(values, batch, loss_items, num_items_in_batch, divisors)
 
         def wrap(output):
             return output if return_dict else output.to_tuple()
 
         if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
-            if getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)() is not None:
-                raise RuntimeError(
-                    "with pipeline_parallel_size > 1, do not wrap the model in DistributedDataParallel: DDP "
-                    "reduces gradients after the first micro-batch's backward only. The pipeline averages "
-                    "gradients over the data-parallel group itself after the last micro-batch; call the "
-                    "model directly."
-                )
             if past_key_values is not None or per_layer:
                 raise NotImplementedError(
                     "past_key_values, output_hidden_states and output_attentions are not supported in a pipeline "
@@ -242,14 +364,34 @@ class OsloPreTrainedModel(PreTrainedModel):
                     "for them."
                 )
             micro_batches = split_micro_batches(batch, self.micro_batch_size)
-            return pipeline_schedule(
-                context,
-                len(micro_batches),
-                lambda i, received: run_stage(micro_batches[i], received, None, False),
-                micro_output=lambda values, loss: wrap(output_class(loss=loss)),
-                last_stage_loss=lambda values: values["loss"],
-                after_step=self.pipeline_gradient_reduction(),
-            )
+            divisors = None
+            if context.is_pipeline_last_stage() and loss_items is not None and num_items_in_batch is None:
+                divisors = self._step_divisors(loss_items, micro_batches)
+            average_replicas = True
+            if ddp is not None:
+                # DDP would average after the first micro-batch's backward only: the pipeline averages
+                # after the last one instead, and DDP's reducer stays out of this step (inside DDP's
+                # no_sync(), neither averages, as DDP would not).
+                average_replicas = ddp.require_backward_grad_sync
+                ddp.require_backward_grad_sync = False
+                self._ddp_sync_to_restore = (ddp, average_replicas)
+            half = self._computes_in_half()
+
+            def steps():
+                restore = self.__dict__.pop("_ddp_sync_to_restore", None)
+                if restore is not None:  # DDP's forward has returned: its flag is the user's again
+                    restore[0].require_backward_grad_sync = restore[1]
+                yield from pipeline_schedule(
+                    context,
+                    len(micro_batches),
+                    lambda i, received: run_stage(micro_batches[i], received, None, False, divisors),
+                    micro_output=lambda values, loss: wrap(output_class(loss=loss)),
+                    last_stage_loss=lambda values: values["loss"],
+                    after_step=self.pipeline_gradient_reduction(average_replicas, half),
+                    timeline=self.pipeline_timeline,
+                )
+
+            return PipelineStep(steps())
 
         # One pass without gradients. Each stage caches its own layers' keys and values.
         cache = past_key_values
@@ -270,11 +412,30 @@ class OsloPreTrainedModel(PreTrainedModel):
         """The Megatron/DeepSpeed-style model-parallel unit: ranks, sizes and groups."""
         return self.parallel_context
 
+    @contextmanager
+    def _model_call(self) -> Iterator[bool]:
+        """Mark a call of this model (or of a part of it: a pipeline stage's body); yields whether it
+        is the outermost one."""
+        context = self.parallel_context
+        outermost = not context.in_model_call
+        context.in_model_call = True
+        try:
+            yield outermost
+        finally:
+            if outermost:
+                context.in_model_call = False
+
     def __call__(self, *args, **kwargs):
-        # Replicated dropout and anything else drawing from the default generator stays in step
-        # across tensor-parallel ranks, whatever the user did with the global RNG.
-        with self.parallel_context.rng.replicated():
-            return super().__call__(*args, **kwargs)
+        context = self.parallel_context
+        with self._model_call() as outermost:
+            # The outermost call of a model (not its body's) first checks that every rank of the
+            # tensor/pipeline-parallel group got the same inputs: the first communication of the call.
+            if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
+                check_same_inputs(context, args, kwargs)
+            # Replicated dropout and anything else drawing from the default generator stays in step
+            # across tensor-parallel ranks, whatever the user did with the global RNG.
+            with context.rng.replicated():
+                return super().__call__(*args, **kwargs)
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
         """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
@@ -332,8 +493,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         return self
 
     def gpu_modules(self) -> nn.Module:
-        """The module holding this rank's parameters, to wrap in ``DistributedDataParallel`` (not with
-        pipeline parallelism, whose schedule averages gradients over data-parallel replicas itself)."""
+        """The module holding this rank's parameters, to wrap in ``DistributedDataParallel`` over
+        ``model.mpu.get_data_parallel_group()``. With pipeline parallelism the schedule averages the
+        gradients over the replicas itself after the last micro-batch (DDP would after the first): a
+        wrapped model works as well, and DDP's ``no_sync()`` still skips the averaging."""
         return self
 
     def gpu_parameters(self) -> Iterator[nn.Parameter]:
@@ -343,6 +506,48 @@ class OsloPreTrainedModel(PreTrainedModel):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the norm of the whole (unsplit) model; see :func:`oslo.parallel.clip_grad_norm_`."""
         return clip_grad_norm_(self, max_norm, norm_type)
+
+    def state_dict(self, *args, **kwargs):
+        """This rank's parameters under the full model's names, as ``nn.Module.state_dict``: with
+        tensor parallelism a split weight is this rank's shard (``transformer.wte.weight`` holds its
+        vocabulary rows), with pipelines only this stage's weights are there. For a checkpoint of the
+        whole model use :meth:`save_pretrained_with_parallel` (``save_with_merging=True``: plain
+        transformers files)."""
+        return super().state_dict(*args, **kwargs)
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """Not available on a built oslo model: its vocabulary is split across ranks and padded. Build the
+        model at the new size instead (``resize_token_embeddings=N`` of :meth:`from_pretrained_with_parallel`
+        or :meth:`from_config_with_parallel`): the embedding and the tied head then have ``N`` rows, the new
+        ones initialized from the seed identically at every layout."""
+        size = args[0] if args else kwargs.get("new_num_tokens")
+        raise NotImplementedError(
+            f"{type(self).__name__}.resize_token_embeddings() cannot resize a vocabulary that is already split "
+            f"across ranks. Pass resize_token_embeddings={size if size is not None else 'N'} to "
+            "from_pretrained_with_parallel (or from_config_with_parallel) to build the model at that size."
+        )
+
+    # ---- activation checkpointing ------------------------------------------------------------
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
+    ) -> None:
+        # transformers' activation_checkpointing_enable() / gradient_checkpointing_enable() land here.
+        # The recomputation in the backward pass must draw the dropout masks of the forward pass from
+        # the model's own streams too (tensor-parallel heads draw from the split stream, which torch's
+        # checkpoint does not know about).
+        rng = self.parallel_context.rng
+
+        def checkpoint_with_model_streams(function, *args, **kwargs):
+            return gradient_checkpointing_func(rng.recomputable(function), *args, **kwargs)
+
+        super()._set_gradient_checkpointing(enable, checkpoint_with_model_streams, every_n_layers)
+
+    def enable_input_require_grads(self):
+        # A later pipeline stage has no input embeddings: what it receives already requires grad.
+        if self.get_input_embeddings() is None:
+            self._require_grads_hooks = []
+            return
+        super().enable_input_require_grads()
 
     @classmethod
     def _validate_parallel_config(cls, config: PretrainedConfig, tensor_parallel_size: int) -> None:
@@ -429,6 +634,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         torch_dtype: torch.dtype | str | None = None,
         attn_implementation: str | None = None,
         parallel_context: ParallelContext | None = None,
+        timeout: timedelta | float | None = None,
     ):
         """A randomly initialized model, split across ranks.
 
@@ -438,13 +644,15 @@ class OsloPreTrainedModel(PreTrainedModel):
         Args:
             config: The model's transformers config (never modified to hold local sizes).
             tensor_parallel_size: Ranks each layer is split across.
-            pipeline_parallel_size: Pipeline stages (only 1 for now).
+            pipeline_parallel_size: Pipeline stages (contiguous ranges of blocks).
             micro_batch_size: Micro-batch size of pipeline parallelism (no effect without it).
             resize_token_embeddings: Vocabulary size to build with instead of ``config.vocab_size``.
             seed: Seed of initialization and of the model's dropout/sampling streams.
             dtype: Parameter dtype (default float32); ``torch_dtype`` is its older name.
             attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
             parallel_context: An existing context to share (sizes must match).
+            timeout: How long a collective waits for the other ranks before failing with an error
+                (``timedelta`` or seconds; default 10 minutes). See :class:`~oslo.parallel.ParallelContext`.
 
         Returns:
             The model, in training mode as transformers' ``from_config`` leaves it.
@@ -457,7 +665,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         if resize_token_embeddings is not None:
             config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
         cls._validate_parallel_config(config, tp)
-        context = cls._context(parallel_context, tp, pp, seed)
+        context = cls._context(parallel_context, tp, pp, seed, timeout)
         model = cls._build(config, context, dtype, attn_implementation)
         model.set_micro_batch_size(micro_batch_size)
 
@@ -485,6 +693,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         torch_dtype: torch.dtype | str | None = None,
         attn_implementation: str | None = None,
         parallel_context: ParallelContext | None = None,
+        timeout: timedelta | float | None = None,
+        config: PretrainedConfig | None = None,
         **kwargs,
     ):
         """Load a checkpoint split across ranks; each rank reads only its own slices.
@@ -496,7 +706,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         Args:
             pretrained_model_name_or_path: Directory of the checkpoint.
             tensor_parallel_size: Ranks each layer is split across (must divide the attention heads).
-            pipeline_parallel_size: Pipeline stages (only 1 for now).
+            pipeline_parallel_size: Pipeline stages (contiguous ranges of blocks).
             micro_batch_size: Micro-batch size of pipeline parallelism (no effect without it).
             resize_token_embeddings: New vocabulary size; added rows are initialized like new weights.
             seed: Seed of the model's dropout/sampling streams and of any newly initialized weights.
@@ -504,6 +714,10 @@ class OsloPreTrainedModel(PreTrainedModel):
                 its older name).
             attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
             parallel_context: An existing context to share (sizes must match).
+            timeout: How long a collective waits for the other ranks before failing with an error
+                (``timedelta`` or seconds; default 10 minutes). See :class:`~oslo.parallel.ParallelContext`.
+            config: The model's config, instead of the directory's ``config.json`` (as in transformers;
+                needed for a checkpoint saved with ``save_config=False``).
             **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
 
         Returns:
@@ -514,7 +728,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         dtype = _resolve_dtype(dtype, torch_dtype)
         path = os.fspath(pretrained_model_name_or_path)
         checkpoint = ckpt.inspect_checkpoint(path)
-        config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        config, unused = cls._load_config(path, config, kwargs)
         if unused:
             raise TypeError(
                 f"{cls.__name__}.from_pretrained_with_parallel got unexpected keyword argument(s) "
@@ -533,7 +747,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             dtype = getattr(config, "dtype", None) or ckpt.checkpoint_dtype(checkpoint) or torch.float32
             dtype = _resolve_dtype(dtype, None)
 
-        context = cls._context(parallel_context, tp, pp, seed)
+        context = cls._context(parallel_context, tp, pp, seed, timeout)
         model = cls._build(config, context, dtype, attn_implementation)
         model.set_micro_batch_size(micro_batch_size)
         ckpt.load_checkpoint(
@@ -542,10 +756,45 @@ class OsloPreTrainedModel(PreTrainedModel):
         model.eval()
         return model
 
+    @classmethod
+    def _load_config(cls, path: str, config: PretrainedConfig | None, overrides: dict) -> tuple[PretrainedConfig, dict]:
+        """The config of the checkpoint at ``path`` (or the one given) with ``overrides`` applied, and the
+        overrides that are not config attributes. Refuses a checkpoint of another architecture."""
+        expected = cls.config_class.model_type
+        if config is None:
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise FileNotFoundError(
+                    f"{path!r} has no config.json (a checkpoint saved with save_config=False?): the weights alone "
+                    f"do not say the model's sizes. Pass config={cls.config_class.__name__}(...) (or "
+                    f"{cls.config_class.__name__}.from_pretrained(dir_with_config_json)) to "
+                    "from_pretrained_with_parallel, or copy the model's config.json into the directory."
+                )
+            found = PretrainedConfig.get_config_dict(path)[0].get("model_type")
+            if found is not None and found != expected:
+                raise ValueError(
+                    f"{path!r} holds a {found!r} checkpoint, but {cls.__name__} is a {expected!r} model: the "
+                    f"architectures differ, so its weights cannot be loaded. Load it with the class for {found!r}."
+                )
+            return cls.config_class.from_pretrained(path, return_unused_kwargs=True, **overrides)
+        if not isinstance(config, cls.config_class):
+            raise TypeError(
+                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}."
+            )
+        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
+        unused = {}
+        for name, value in overrides.items():
+            if hasattr(config, name):
+                setattr(config, name, value)
+            else:
+                unused[name] = value
+        return config, unused
+
     @staticmethod
-    def _context(parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None) -> ParallelContext:
+    def _context(
+        parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None, timeout=None
+    ) -> ParallelContext:
         if parallel_context is None:
-            return ParallelContext(tp, pp, seed=seed)
+            return ParallelContext(tp, pp, seed=seed, timeout=timeout)
         if (parallel_context.tensor_parallel_size, parallel_context.pipeline_parallel_size) != (tp, pp):
             raise ValueError(
                 f"parallel_context has tensor_parallel_size={parallel_context.tensor_parallel_size}, "
@@ -572,8 +821,9 @@ class OsloPreTrainedModel(PreTrainedModel):
         save_directory: str | os.PathLike,
         save_with_merging: bool = False,
         save_config: bool = True,
-        safe_serialization: bool = True,
+        safe_serialization: bool | None = None,
         max_shard_size: int | str = "5GB",
+        save_function: Callable[[dict, str], None] | None = None,
     ) -> None:
         """Save a split or a merged checkpoint. Call it on every rank.
 
@@ -588,13 +838,28 @@ class OsloPreTrainedModel(PreTrainedModel):
         Args:
             save_directory: Target directory (created if needed).
             save_with_merging: Write a merged (plain transformers) checkpoint.
-            save_config: Also write ``config.json`` (and ``generation_config.json``).
-            safe_serialization: safetensors (default) or pickle-free ``torch.save`` files.
+            save_config: Also write ``config.json`` (and ``generation_config.json``). A checkpoint
+                without it loads only with ``config=`` given to :meth:`from_pretrained_with_parallel`.
+            safe_serialization: safetensors (the default) or ``.bin`` files of tensors (``torch.save``).
             max_shard_size: Largest merged shard, as in transformers (``"5GB"``, ``"200MB"`` or bytes).
+            save_function: ``save_function(tensors, path)`` writes each ``.bin`` weight file instead of
+                ``torch.save`` (as in transformers' ``save_pretrained``); it implies
+                ``safe_serialization=False``.
         """
+        if save_function is not None:
+            if safe_serialization:
+                raise ValueError(
+                    "save_function writes .bin weight files, safe_serialization=True writes safetensors with "
+                    "safetensors' own writer: pass one of them (save_function alone implies safe_serialization=False)."
+                )
+            if not callable(save_function):
+                raise TypeError(f"save_function must be callable as save_function(tensors, path): {save_function!r}")
+            safe_serialization = False
+        elif safe_serialization is None:
+            safe_serialization = True
         directory = os.fspath(save_directory)
         if save_with_merging:
             size = convert_file_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-            ckpt.save_merged(self, directory, safe_serialization, size, save_config)
+            ckpt.save_merged(self, directory, safe_serialization, size, save_config, save_function)
         else:
-            ckpt.save_split(self, directory, safe_serialization, save_config)
+            ckpt.save_split(self, directory, safe_serialization, save_config, save_function)

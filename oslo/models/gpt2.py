@@ -14,13 +14,14 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     CausalLMOutputWithCrossAttentions,
@@ -36,7 +37,7 @@ from transformers.models.gpt2.modeling_gpt2 import (
 )
 
 from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
-from oslo.models.base import OsloPreTrainedModel
+from oslo.models.base import OsloPreTrainedModel, logits_not_gathered
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
     ColumnParallelLinear,
@@ -44,7 +45,7 @@ from oslo.parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from oslo.parallel.loss import check_labels
+from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
 from oslo.parallel.mappings import gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers, partition_layers
 
@@ -169,7 +170,7 @@ class GPT2MLP(nn.Module):
         return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(GradientCheckpointingLayer):
     def __init__(
         self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
     ) -> None:
@@ -211,6 +212,7 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"crossattention\.bias"]
     _supports_pipeline_parallel = True
+    supports_gradient_checkpointing = True
 
     @classmethod
     def _validate_parallel_config(cls, config: GPT2Config, tensor_parallel_size: int) -> None:
@@ -273,7 +275,8 @@ class GPT2Model(GPT2PreTrainedModel):
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
         self.drop = nn.Dropout(config.embd_pdrop)
         own = layers[context.pipeline_parallel_rank]
-        self.h = StageLayers({i: GPT2Block(config, i, context, cache_idx=i - own.start) for i in own})
+        self.h = StageLayers({i: GPT2Block(config, i, context, cache_idx=i - own.start) for i in own},
+                             num_layers=config.num_hidden_layers)
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -322,6 +325,8 @@ class GPT2Model(GPT2PreTrainedModel):
             )
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # the recomputation would add the keys and values a second time
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else config.output_hidden_states
@@ -398,11 +403,6 @@ class GPT2Model(GPT2PreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-def _base_kwargs(kwargs: dict) -> dict:
-    """The keyword arguments of a head's forward that belong to the base model."""
-    return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
-
-
 def _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> dict:
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                 position_ids=position_ids, inputs_embeds=inputs_embeds)
@@ -415,6 +415,28 @@ def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) 
     if isinstance(logits_to_keep, torch.Tensor):
         return hidden_states[:, logits_to_keep, :]
     return hidden_states
+
+
+def _gather_logits(model: nn.Module, gather_logits: bool | None, labels) -> bool:
+    """``gather_logits`` as given, or by default: not in a training call (labels, gradients, train mode),
+    whose loss comes from the vocabulary-split logits and needs no batch x sequence x vocabulary gather."""
+    if gather_logits is not None:
+        return gather_logits
+    return not (labels is not None and torch.is_grad_enabled() and model.training)
+
+
+def _output_class(model: nn.Module, output_class: type, gather: bool, gather_logits: bool | None) -> type:
+    """The output class of a call that gathers the logits or not: when they were skipped by default (a
+    training call), asking the output for them raises an error that says so (pipeline micro-batch
+    outputs carry only the loss anyway)."""
+    if gather or gather_logits is False or model.parallel_context.pipeline_parallel_size > 1:
+        return output_class
+    return logits_not_gathered(output_class)
+
+
+def _class_items(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Labelled items of a cross entropy: labels that are not ``ignore_index``."""
+    return (labels != ignore_index).sum()
 
 
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
@@ -440,33 +462,34 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        gather_logits: bool = True,
+        gather_logits: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions | tuple:
         """Causal language modeling, as transformers' ``GPT2LMHeadModel.forward``.
 
-        The loss is computed on vocabulary-split logits (no gather). ``gather_logits=False`` skips the
-        all-gather of the returned logits (``logits`` is then ``None``), for training loops that only
-        use the loss.
+        The loss is computed on vocabulary-split logits (no gather). The full logits are gathered for
+        the output except in a training call (``labels`` given, gradients enabled, ``model.train()``),
+        whose output then has no ``logits`` (asking for them raises an error naming
+        ``gather_logits=True``). ``gather_logits=True`` / ``False`` gathers them always / never
+        (``logits`` is then ``None``).
 
-        Under pipeline parallelism, a call with ``labels`` while gradients are enabled returns a
-        generator of micro-batch outputs (see :func:`oslo.parallel.pipeline.pipeline_schedule`); any
+        Under pipeline parallelism, a call with ``labels`` while gradients are enabled returns the
+        micro-batch outputs of a training step (see :func:`oslo.parallel.pipeline.pipeline_schedule`); any
         other call runs the whole batch through the stages without gradients and returns the usual
         output on every stage.
         """
-        num_items_in_batch = kwargs.get("num_items_in_batch")
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if labels is not None:
             check_labels(labels, self.config.vocab_size)  # every rank, before any communication
+        gather = _gather_logits(self, gather_logits, labels)
 
         def head(hidden_states, inputs, head_inputs, outputs_needed):
             local_logits = self.lm_head(_keep_last(hidden_states, logits_to_keep))  # (B, T, V_local)
             loss = None
             if head_inputs["labels"] is not None:
-                loss = self.lm_head.causal_lm_loss(
-                    local_logits, head_inputs["labels"], num_items_in_batch=num_items_in_batch
-                )
-            logits = self.lm_head.gather(local_logits) if gather_logits and outputs_needed else None
+                loss = LossSum(self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
+            logits = self.lm_head.gather(local_logits) if gather and outputs_needed else None
             return {"loss": loss, "logits": logits}
 
         return self._forward_with_head(
@@ -474,11 +497,13 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
             head,
-            CausalLMOutputWithCrossAttentions,
+            _output_class(self, CausalLMOutputWithCrossAttentions, gather, gather_logits),
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,
-            body_kwargs=_base_kwargs(kwargs),
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": causal_lm_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
         )
 
 
@@ -509,42 +534,72 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         mc_labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        gather_logits: bool = True,
+        gather_logits: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> GPT2DoubleHeadsModelOutput | tuple:
+        """As transformers' ``GPT2DoubleHeadsModel.forward``; ``gather_logits`` as for
+        :class:`GPT2LMHeadModel` (a training call with ``labels`` skips gathering the LM logits)."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if labels is not None:
             check_labels(labels, self.config.vocab_size)  # every rank, before any communication
+        if mc_labels is not None:  # a class per row: one of the choices
+            check_labels(mc_labels, (input_ids if input_ids is not None else inputs_embeds).shape[1], classes=True)
         if self.parallel_context.pipeline_parallel_size > 1 and mc_labels is not None and torch.is_grad_enabled():
             raise NotImplementedError(
                 "GPT2DoubleHeadsModel with pipeline_parallel_size > 1 trains on the language-modeling loss only: "
                 "pass labels without mc_labels (or evaluate mc_labels under torch.no_grad())."
             )
+        gather = _gather_logits(self, gather_logits, labels)
 
         def head(hidden_states, inputs, head_inputs, outputs_needed):  # hidden_states: (B, choices, T, C)
             local_logits = self.lm_head(hidden_states)
             mc_logits = self.multiple_choice_head(hidden_states, head_inputs["mc_token_ids"]).squeeze(-1)
             mc_loss = None
             if head_inputs["mc_labels"] is not None:
-                mc_labels = head_inputs["mc_labels"]
-                mc_loss = CrossEntropyLoss()(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1))
+                mc_labels = head_inputs["mc_labels"].to(mc_logits.device)
+                mc_loss = LossSum(F.cross_entropy(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1),
+                                                  reduction="sum"))
             lm_loss = None
             if head_inputs["labels"] is not None:
-                lm_loss = self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"])
-            logits = self.lm_head.gather(local_logits) if gather_logits and outputs_needed else None
+                lm_loss = LossSum(self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
+            logits = self.lm_head.gather(local_logits) if gather and outputs_needed else None
             return {"loss": lm_loss, "mc_loss": mc_loss, "logits": logits, "mc_logits": mc_logits}
+
+        def loss_items(batch):
+            items = {}
+            if "labels" in batch:
+                items["loss"] = causal_lm_items(batch["labels"])
+            if "mc_labels" in batch:
+                items["mc_loss"] = _class_items(batch["mc_labels"])
+            return items
 
         return self._forward_with_head(
             self.transformer,
             _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
             head,
-            GPT2DoubleHeadsModelOutput,
+            _output_class(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,
-            body_kwargs=_base_kwargs(kwargs),
+            body_kwargs=kwargs,
+            loss_items=loss_items,
+            num_items_in_batch=num_items_in_batch,
         )
+
+
+def _problem_type(config: GPT2Config, num_labels: int, labels: torch.Tensor) -> str:
+    """transformers' choice of loss for sequence classification, made (and recorded in the config) on
+    every rank before the model runs, so every pipeline stage's config, and a saved config.json, has it."""
+    if config.problem_type is None:
+        if num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return config.problem_type
 
 
 class GPT2ForSequenceClassification(GPT2PreTrainedModel):
@@ -569,9 +624,10 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast | tuple:
-        if labels is not None and self.num_labels > 1 and labels.dtype in (torch.long, torch.int):
-            if self.config.problem_type in (None, "single_label_classification"):  # cross entropy on classes
-                check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        problem_type = _problem_type(self.config, self.num_labels, labels) if labels is not None else None
+        if problem_type == "single_label_classification":  # cross entropy on classes
+            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if self.config.pad_token_id is None and batch_size != 1:
             raise ValueError(
@@ -592,7 +648,8 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
             pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
             loss = None
             if head_inputs["labels"] is not None:
-                loss = _sequence_classification_loss(self.config, self.num_labels, pooled_logits, head_inputs["labels"])
+                loss = LossSum(_sequence_classification_loss_sum(
+                    problem_type, self.num_labels, pooled_logits, head_inputs["labels"]))
             return {"loss": loss, "logits": pooled_logits}
 
         return self._forward_with_head(
@@ -604,26 +661,31 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,
-            body_kwargs=_base_kwargs(kwargs),
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": _sequence_classification_items(problem_type, batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
         )
 
 
-def _sequence_classification_loss(config, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
-    """transformers' problem-type dispatch: regression, single-label or multi-label classification."""
-    if config.problem_type is None:
+def _sequence_classification_loss_sum(problem_type: str, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
+    """transformers' sequence-classification losses (regression, single- or multi-label), summed over
+    their items instead of averaged (see :func:`_sequence_classification_items`)."""
+    labels = labels.to(logits.device)
+    if problem_type == "regression":
         if num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
-        if num_labels == 1:
-            return MSELoss()(logits.squeeze(), labels.squeeze())
-        return MSELoss()(logits, labels)
-    if config.problem_type == "single_label_classification":
-        return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
-    return BCEWithLogitsLoss()(logits, labels)
+            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype), reduction="sum")
+        return F.mse_loss(logits, labels.to(logits.dtype), reduction="sum")
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="sum")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+
+
+def _sequence_classification_items(problem_type: str, labels: torch.Tensor) -> torch.Tensor:
+    """What each sequence-classification loss averages over: labelled rows for cross entropy (``-100``
+    ignored), every element of the labels for regression and multi-label classification."""
+    if problem_type == "single_label_classification":
+        return _class_items(labels.view(-1))
+    return torch.tensor(labels.numel(), device=labels.device)
 
 
 class GPT2ForTokenClassification(GPT2PreTrainedModel):
@@ -655,6 +717,7 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if labels is not None:
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
 
@@ -663,7 +726,7 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
             loss = None
             if head_inputs["labels"] is not None:
                 labels = head_inputs["labels"].to(logits.device)
-                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+                loss = LossSum(F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1), reduction="sum"))
             return {"loss": loss, "logits": logits}
 
         return self._forward_with_head(
@@ -675,8 +738,18 @@ class GPT2ForTokenClassification(GPT2PreTrainedModel):
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,
-            body_kwargs=_base_kwargs(kwargs),
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": _class_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
         )
+
+
+def _answer_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Start or end positions as transformers scores them: squeezed to one per row, and clamped to
+    ``[0, length]``, where ``length`` (outside the input) is the ignored index."""
+    if positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    return positions.clamp(0, length)
 
 
 class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
@@ -702,24 +775,31 @@ class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+
         def head(hidden_states, inputs, head_inputs, outputs_needed):
             start_logits, end_logits = self.qa_outputs(hidden_states).split(1, dim=-1)
             start_logits = start_logits.squeeze(-1).contiguous()
             end_logits = end_logits.squeeze(-1).contiguous()
-            total_loss = None
+            loss = None
             start_positions, end_positions = head_inputs["start_positions"], head_inputs["end_positions"]
             if start_positions is not None and end_positions is not None:
-                if start_positions.dim() > 1:
-                    start_positions = start_positions.squeeze(-1)
-                if end_positions.dim() > 1:
-                    end_positions = end_positions.squeeze(-1)
-                # Positions outside the input are clamped to an ignored index, as transformers does.
-                ignored_index = start_logits.size(1)
-                start_positions = start_positions.clamp(0, ignored_index).to(start_logits.device)
-                end_positions = end_positions.clamp(0, ignored_index).to(end_logits.device)
-                loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
-                total_loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
-            return {"loss": total_loss, "start_logits": start_logits, "end_logits": end_logits}
+                # Positions outside the input are clamped to an ignored index, as transformers does; the
+                # loss is the mean of the start and the end loss.
+                start = _answer_positions(start_positions, length).to(start_logits.device)
+                end = _answer_positions(end_positions, length).to(end_logits.device)
+                loss = LossSum(torch.stack([
+                    F.cross_entropy(start_logits, start, ignore_index=length, reduction="sum"),
+                    F.cross_entropy(end_logits, end, ignore_index=length, reduction="sum"),
+                ]), weights=(0.5, 0.5))
+            return {"loss": loss, "start_logits": start_logits, "end_logits": end_logits}
+
+        def loss_items(batch):
+            if "start_positions" not in batch or "end_positions" not in batch:
+                return {}
+            return {"loss": torch.stack([_class_items(_answer_positions(batch[name], length), length)
+                                         for name in ("start_positions", "end_positions")])}
 
         return self._forward_with_head(
             self.transformer,
@@ -729,7 +809,9 @@ class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
             QuestionAnsweringModelOutput,
             use_cache=False,
             return_dict=return_dict,
-            body_kwargs=_base_kwargs(kwargs),
+            body_kwargs=kwargs,
+            loss_items=loss_items,
+            num_items_in_batch=num_items_in_batch,
         )
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -16,6 +17,27 @@ T = TypeVar("T")
 
 class RankFailedError(RuntimeError):
     """Raised on every rank when some other rank failed during a step they share."""
+
+
+class PeerTimeoutError(RuntimeError):
+    """Raised on a rank whose peers did not join a collective within the context's timeout."""
+
+
+@contextmanager
+def naming_timeouts(context: ParallelContext, what: str, hint: str = "") -> Iterator[None]:
+    """Turn a collective's timeout (gloo's "Timed out waiting ...") into an error that says what this
+    rank was doing and how long it waited; other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise PeerTimeoutError(
+            f"rank {context.rank} waited {context.timeout} (the model's timeout=) for the other ranks while "
+            f"{what}, and they did not join: every rank must make the same calls"
+            f"{' (' + hint + ')' if hint else ''}. A rank that failed or went on to other work leaves "
+            f"the others waiting. Original error: {exc}"
+        ) from exc
 
 
 def run_on_all_ranks(context: ParallelContext, step: Callable[[], T], what: str) -> T:
@@ -40,7 +62,8 @@ def run_on_all_ranks(context: ParallelContext, step: Callable[[], T], what: str)
     if context.world_size > 1:
         status = None if error is None else f"{type(error).__name__}: {error}"
         statuses: list[str | None] = [None] * context.world_size
-        dist.all_gather_object(statuses, status)
+        with naming_timeouts(context, what, "call it on every rank"):
+            dist.all_gather_object(statuses, status, group=context.world_group)
         failed = [(rank, message) for rank, message in enumerate(statuses) if message is not None]
         if failed and error is None:
             details = "; ".join(f"rank {rank}: {message}" for rank, message in failed)

@@ -48,14 +48,35 @@ def _launcher_world_size() -> int | None:
     return None
 
 
-def _init_distributed(backend: str | None, timeout: timedelta | None) -> None:
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def validate_timeout(timeout: object) -> timedelta:
+    """A collective timeout given by a user (a ``timedelta`` or seconds), as a positive ``timedelta``.
+
+    Raises:
+        TypeError: not a ``timedelta`` or a number.
+        ValueError: not positive.
+    """
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r} of type "
+            f"{type(timeout).__name__}. Pass e.g. timeout=datetime.timedelta(minutes=10) or timeout=600."
+        )
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}. Pass e.g. timeout=datetime.timedelta(minutes=10).")
+    return timeout
+
+
+def _init_distributed(backend: str | None, timeout: timedelta) -> None:
     """Initialize torch.distributed from the launcher's environment variables."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    kwargs = {"timeout": timeout} if timeout is not None else {}
-    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
 
 
 class ParallelContext:
@@ -77,7 +98,11 @@ class ParallelContext:
         seed: Seed of the model's random streams (dropout, sampling). ``None`` takes rank 0's
             ``torch.initial_seed()`` so that ``torch.manual_seed`` keeps its usual meaning.
         backend: ``torch.distributed`` backend to initialize with; default gloo on CPU, NCCL on CUDA.
-        timeout: Collective timeout passed to ``init_process_group``.
+        timeout: How long a collective of this model waits for the other ranks before it fails (a
+            ``timedelta`` or seconds; default 10 minutes, gloo's own default is 30). Every process
+            group the context creates uses it, and so does ``init_process_group`` when the context
+            initializes ``torch.distributed``. A rank that never joins a collective (say, a save called
+            on rank 0 only) then fails in that time with an error instead of waiting.
     """
 
     def __init__(
@@ -86,9 +111,10 @@ class ParallelContext:
         pipeline_parallel_size: int = 1,
         seed: int | None = None,
         backend: str | None = None,
-        timeout: timedelta | None = None,
+        timeout: timedelta | float | None = None,
     ) -> None:
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(timeout)
         pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}. Pass e.g. seed=42.")
@@ -120,6 +146,8 @@ class ParallelContext:
         self.data_parallel_size = world_size // model_parallel
         self.world_size = world_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.timeout = timeout
+        self.in_model_call = False  # set while a model of this context runs (its inputs are checked once)
 
         self.device = self._default_device()
         # Grid (data, pipeline, tensor), tensor fastest: rank = (d * pp + p) * tp + t.
@@ -148,7 +176,9 @@ class ParallelContext:
         # their gradients over this group.
         self.embedding_group = self._new_groups(
             [[rank_of(i, 0, k), rank_of(i, pp - 1, k)] for i in range(dp) for k in range(tp)]) if pp > 1 else None
-        self.world_group = dist.group.WORLD if dist.is_initialized() else None
+        # oslo's own group over every rank (not WORLD): agreement messages of this model never meet
+        # collectives that the user, or another model, runs on the default group.
+        self.world_group = self._new_groups([list(range(world_size))])
 
         if seed is None:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
@@ -166,7 +196,7 @@ class ParallelContext:
             return None
         mine = None
         for ranks in rank_lists:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = group
         return mine
@@ -175,7 +205,7 @@ class ParallelContext:
         if not dist.is_initialized() or self.world_size == 1:
             return seed
         value = torch.tensor([seed], dtype=torch.int64, device=self.device)
-        dist.broadcast(value, src=0)
+        dist.broadcast(value, src=0, group=self.world_group)
         return int(value.item())
 
     def __repr__(self) -> str:

@@ -7,6 +7,9 @@ full logits are never gathered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -125,12 +128,16 @@ def causal_lm_loss(
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Next-token loss with the reduction of transformers' ``ForCausalLMLoss``, on vocab-split logits.
 
     Labels are shifted inside (position ``t`` predicts label ``t + 1``) unless ``shift_labels`` is
     given; the mean runs over non-ignored tokens, or the sum is divided by ``num_items_in_batch``.
+    ``reduction="sum"`` returns the plain sum of the per-token losses.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(logits.device)
@@ -138,8 +145,75 @@ def causal_lm_loss(
         logits, shift_labels, vocab_start=vocab_start, valid_columns=valid_columns, group=group,
         ignore_index=ignore_index,
     )
+    if reduction == "sum":
+        return per_token.sum()
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(per_token.device)
         return per_token.sum() / num_items_in_batch
     return per_token.sum() / (shift_labels != ignore_index).sum()
+
+
+def causal_lm_items(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The number of tokens a causal LM loss averages over: labels after the first position (each is
+    predicted from the ones before it) that are not ``ignore_index``."""
+    return (labels[..., 1:] != ignore_index).sum()
+
+
+class LossSum(NamedTuple):
+    """A head's loss before averaging: ``sum(weights[t] * sums[t] / items[t])`` over its terms ``t``.
+
+    transformers averages each term of a loss over its items: the label tokens that are not ``-100``
+    (language modeling, token classification), the labelled rows (classification), the answer
+    positions inside the input (question answering: two terms, weights 1/2). A head gives the sums;
+    :func:`average_loss` divides them by the items, so that the gradient can average over the items of
+    a larger batch than the one at hand (all micro-batches of a pipeline, all data-parallel replicas).
+    """
+
+    sums: torch.Tensor  # (terms,) or a scalar for one term; differentiable
+    weights: tuple[float, ...] = (1.0,)
+
+
+class _MeanLoss(torch.autograd.Function):
+    """Forward: the loss value to report. Backward: the gradient flows into ``differentiable`` (the same
+    sums over another divisor) and ``on_backward(grad)`` is called first."""
+
+    @staticmethod
+    def forward(ctx, differentiable, value, on_backward):
+        ctx.on_backward = on_backward
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.on_backward is not None:
+            ctx.on_backward(grad)
+        return grad, None, None
+
+
+def average_loss(
+    loss: LossSum,
+    items: torch.Tensor | float,
+    divisor: torch.Tensor | None = None,
+    on_backward: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """The value of ``loss`` averaged over ``items`` (per term, or one number for every term).
+
+    With ``divisor`` the returned tensor still has that value (the batch's own loss, for logging), but its
+    gradient is the one of the sums averaged over ``divisor`` instead: the items of the whole batch the
+    step trains on. ``on_backward(grad)`` runs when the backward pass reaches the loss.
+    """
+    sums = loss.sums.reshape(-1)
+    if torch.is_tensor(items):
+        items = items.reshape(-1)
+    if torch.is_tensor(divisor):
+        divisor = divisor.reshape(-1)
+    weights = torch.tensor(loss.weights, dtype=sums.dtype, device=sums.device)
+    if torch.is_tensor(items):
+        items = items.to(sums.device)
+    if torch.is_tensor(divisor):
+        divisor = divisor.to(sums.device)
+    if divisor is None and on_backward is None:
+        return (weights * sums / items).sum()
+    value = (weights * sums.detach() / items).sum()
+    differentiable = (weights * sums / (items if divisor is None else divisor)).sum()
+    return _MeanLoss.apply(differentiable, value, on_backward)

@@ -23,8 +23,9 @@ same tensor- and data-parallel rank in the neighbouring stages.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from oslo.parallel.context import ParallelContext
 
 __all__ = [
     "PipelineAbortedError",
+    "PipelineStep",
+    "TimelineEvent",
     "StageLayers",
     "StageLink",
     "partition_layers",
@@ -93,14 +96,22 @@ class StageLayers(nn.Module):
     """The blocks of one pipeline stage, registered under their global indices.
 
     Parameter names stay Hugging Face's (``h.5.attn.c_attn.weight`` on whichever stage holds block 5).
-    Iterating yields the blocks in order; ``layers[5]`` is block 5 (an ``IndexError`` names the stage
-    when block 5 lives elsewhere).
+    Iterating yields this stage's blocks in order. Indexing is by global block index, as in the
+    unsplit model's ``nn.ModuleList``: ``layers[5]`` is block 5, ``layers[-1]`` the model's last block,
+    ``layers[:2]`` an ``nn.ModuleList`` of blocks 0 and 1; an ``IndexError`` names the stage when a
+    block asked for lives on another one.
+
+    Args:
+        layers: ``{global index: block}`` for this stage.
+        num_layers: Blocks in the whole model (for negative indices and slices); default: the last
+            index held here + 1.
     """
 
-    def __init__(self, layers: dict[int, nn.Module]) -> None:
+    def __init__(self, layers: dict[int, nn.Module], num_layers: int | None = None) -> None:
         super().__init__()
         for index, layer in layers.items():
             self.add_module(str(index), layer)
+        self.num_layers = num_layers if num_layers is not None else max(layers, default=-1) + 1
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
@@ -108,13 +119,20 @@ class StageLayers(nn.Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, index: int) -> nn.Module:
-        try:
-            return self._modules[str(int(index))]
-        except KeyError:
+    def _block(self, index: int) -> nn.Module:
+        if not -self.num_layers <= index < self.num_layers:
+            raise IndexError(f"layer index {index} is out of range for a model of {self.num_layers} layers")
+        index %= self.num_layers
+        if str(index) not in self._modules:
             raise IndexError(
                 f"layer {index} is not on this pipeline stage, which holds layers {list(self._modules)}"
-            ) from None
+            )
+        return self._modules[str(index)]
+
+    def __getitem__(self, index: int | slice) -> nn.Module | nn.ModuleList:
+        if isinstance(index, slice):
+            return nn.ModuleList([self._block(i) for i in range(*index.indices(self.num_layers))])
+        return self._block(int(index))
 
 
 def split_micro_batches(inputs: dict[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
@@ -279,6 +297,56 @@ class _ReceivedGradient(torch.autograd.Function):
         return gradient, None, None, None, None
 
 
+class TimelineEvent(NamedTuple):
+    """One stretch of work of a pipeline stage (``time.perf_counter`` seconds)."""
+
+    micro_batch: int
+    phase: str  # "forward" or "backward"
+    start: float
+    end: float
+
+
+class PipelineStep(Iterator):
+    """What a training call of a pipelined model returns: the micro-batch outputs of one step, in order.
+
+    Iterate over it and call ``micro_output.loss.backward()`` on each output before taking the next;
+    that is the backward step of the 1F1B schedule. It is not one model output: asking it for ``.loss``
+    or ``[0]`` raises an error saying so.
+    """
+
+    def __init__(self, steps: Iterator[Any]) -> None:
+        self._steps = steps
+
+    def __iter__(self) -> PipelineStep:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._steps)
+
+    def close(self) -> None:
+        """Stop the step early (as a generator's ``close``)."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
+
+    @staticmethod
+    def _not_an_output(what: str) -> str:
+        return (
+            f"{what}: with pipeline_parallel_size > 1 a call with labels while gradients are enabled returns the "
+            "micro-batch outputs of a training step, not one output. Iterate over them: `for micro_output in "
+            "model(...): micro_output.loss.backward()`; each micro_output.loss is its micro-batch's loss. For one "
+            "output of the whole batch (logits and all), call the model under torch.no_grad()."
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._not_an_output(f"'PipelineStep' object has no attribute {name!r}"))
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(self._not_an_output("'PipelineStep' object is not subscriptable"))
+
+
 def _abort_towards_first(link: StageLink, message: str) -> None:
     """Pass a failure on to the previous stage, which is (or will be) waiting for a gradient from us."""
     if link.prev is not None:
@@ -291,7 +359,8 @@ def pipeline_schedule(
     stage_forward: Callable[[int, torch.Tensor | None], Any],
     micro_output: Callable[[Any, torch.Tensor], Any],
     last_stage_loss: Callable[[Any], torch.Tensor],
-    after_step: Callable[[], None],
+    after_step: Callable[[bool], None],
+    timeline: list[TimelineEvent] | None = None,
 ) -> Iterator[Any]:
     """The 1F1B training schedule of one batch, as a generator of micro-batch outputs.
 
@@ -304,8 +373,10 @@ def pipeline_schedule(
         micro_output: ``micro_output(result, loss)`` builds what is yielded for a micro-batch;
             ``result`` is ``stage_forward``'s return value on the last stage, ``None`` elsewhere.
         last_stage_loss: The loss tensor inside the last stage's result.
-        after_step: Runs on every stage once all micro-batches are backpropagated (e.g. summing the
-            gradients of weights tied across stages).
+        after_step: ``after_step(scaled)`` runs on every stage once all micro-batches are backpropagated
+            (e.g. summing the gradients of weights tied across stages); ``scaled`` says whether some
+            backward pass of this stage was seeded with something else than 1 (a gradient scaler's scale).
+        timeline: If given, every forward and backward of this stage is appended to it.
 
     Yields:
         One output per micro-batch, in order; call ``.loss.backward()`` on each before the next.
@@ -316,15 +387,19 @@ def pipeline_schedule(
     warmup = min(context.pipeline_parallel_size - stage - 1, num_micro_batches)
     received: dict[int, torch.Tensor | None] = {}
     results: dict[int, Any] = {}
+    scaled = False
 
     def forward(i: int) -> None:
         inputs = None
         if not first:
             inputs = link.recv(link.prev).requires_grad_(torch.is_grad_enabled())
+        start = time.perf_counter()
         with context.rng.replicated():
             result = stage_forward(i, inputs)
         if not last:
             link.send(result, link.next)
+        if timeline is not None:
+            timeline.append(TimelineEvent(i, "forward", start, time.perf_counter()))
         received[i], results[i] = inputs, result
 
     for i in range(warmup):
@@ -338,6 +413,7 @@ def pipeline_schedule(
             loss = last_stage_loss(result)
             loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
             loss_value = loss.detach()
+            start = time.perf_counter()
             yield micro_output(result, loss)
         else:
             try:
@@ -347,7 +423,10 @@ def pipeline_schedule(
                 _abort_towards_first(link, str(error))
                 raise
             loss = _ReceivedGradient.apply(result, gradient, loss_value, seed, seeds)
+            start = time.perf_counter()
             yield micro_output(None, loss)
+        if timeline is not None:
+            timeline.append(TimelineEvent(i, "backward", start, time.perf_counter()))
         if not seeds:
             message = (
                 f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
@@ -356,11 +435,12 @@ def pipeline_schedule(
             )
             _abort_towards_first(link, message)
             raise RuntimeError(message)
+        scaled = scaled or not bool((seeds[0] == 1).all())
         if not first:
             link.send(inputs.grad, link.prev)
             link.send(torch.stack([loss_value, seeds[0].to(loss_value.dtype)]), link.prev)
     link.wait_all()
-    after_step()
+    after_step(scaled)
 
 
 def pipeline_pass(

@@ -10,10 +10,13 @@ independent mask, as in the unsplit model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Offset between the replicated and the split seeds (any constant works; Megatron uses 2718).
 _SPLIT_SEED_OFFSET = 2718
@@ -85,3 +88,30 @@ class ParallelRNG:
     def split(self):
         """Stream distinct on each tensor-parallel rank."""
         return self.fork("split")
+
+    def recomputable(self, function: Callable[..., T]) -> Callable[..., T]:
+        """``function`` for activation checkpointing: when it runs again (the recomputation in the
+        backward pass), both streams start where they stood when it first ran, so dropout draws the
+        same masks, on replicated and on split activations alike; afterwards the streams are back
+        where the recomputation found them.
+        """
+        snapshot: tuple[dict[str, torch.Tensor], str | None] | None = None
+
+        def run(*args, **kwargs) -> T:
+            nonlocal snapshot
+            if snapshot is None:
+                states = dict(self._states)
+                if self._active is not None:  # the active stream lives in the device's generator
+                    states[self._active] = _get_state(self.device)
+                snapshot = (states, self._active)
+                return function(*args, **kwargs)
+            states, active = snapshot
+            saved = (self._states, self._active)
+            self._states, self._active = dict(states), None
+            try:
+                with self.fork(active) if active is not None else nullcontext():
+                    return function(*args, **kwargs)
+            finally:
+                self._states, self._active = saved
+
+        return run

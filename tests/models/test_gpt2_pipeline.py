@@ -50,14 +50,14 @@ def _train_step(rank, world_size, path, tp, micro_batch_size, scale, fuse=False)
     for micro_output in model(**batch):
         losses.append(micro_output.loss.detach())
         (micro_output.loss * scale).backward()
-    expected = []
-    for i in range(0, 4, micro_batch_size):
-        loss = reference(**{k: v[i : i + micro_batch_size] for k, v in batch.items()}).loss
-        (loss * scale).backward()
-        expected.append(loss.detach())
+    # Each micro-batch reports its own loss; the gradients are those of the whole batch's loss.
+    with torch.no_grad():
+        expected = [reference(**{k: v[i : i + micro_batch_size] for k, v in batch.items()}).loss
+                    for i in range(0, 4, micro_batch_size)]
     assert len(losses) == len(expected) == 4 // micro_batch_size
     for ours, theirs in zip(losses, expected, strict=True):  # on every stage, not only the last
         torch.testing.assert_close(ours, theirs)
+    (reference(**batch).loss * scale).backward()
 
     def check_grads():
         grads = full_grads(model)
@@ -228,34 +228,33 @@ def test_skipped_backward_reaches_every_stage_of_four(lm_checkpoint):
     assert run_distributed(_skipped_backward, 4, lm_checkpoint, timeout=60) == [0, 1, 2, 3]
 
 
-def _data_parallel_accumulation(rank, world_size, path):
-    """tp 1 x pp 2 x dp 2, two batches accumulated before the optimizer step: the gradients are the
-    replicas' average of what transformers accumulates, and wte/lm_head are not counted twice."""
+def _data_parallel_accumulation(rank, world_size, path, wrap):
+    """tp 1 x pp 2 x dp 2, two batches accumulated before the optimizer step: the gradients are those
+    transformers accumulates over the two global batches (both replicas' rows), and wte/lm_head are
+    not counted twice; the same with the model wrapped in DistributedDataParallel, as the manual does."""
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=2)
     reference = transformers.GPT2LMHeadModel.from_pretrained(path)
     replica = model.mpu.get_data_parallel_rank()
+    call = model
+    if wrap:
+        call = torch.nn.parallel.DistributedDataParallel(
+            model.gpu_modules(), process_group=model.mpu.get_data_parallel_group()
+        )
     for step in range(2):
-        for micro_output in model(**_batch(seed=10 * step + replica)):
+        for micro_output in call(**_batch(seed=10 * step + replica)):
             micro_output.loss.backward()
     for step in range(2):
-        for seed in (10 * step, 10 * step + 1):
-            batch = _batch(seed=seed)
-            for i in (0, 2):
-                (reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss / 2).backward()
+        batches = [_batch(seed=seed) for seed in (10 * step, 10 * step + 1)]
+        reference(**{k: torch.cat([b[k] for b in batches]) for k in batches[0]}).loss.backward()
     theirs = {n: p.grad for n, p in reference.named_parameters()}
     theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
 
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model.gpu_modules(), process_group=model.mpu.get_data_parallel_group()
-    )
-    with pytest.raises(RuntimeError, match="do not wrap the model in DistributedDataParallel"):
-        ddp(**_batch())
 
-
-def test_data_parallel_replicas_and_accumulated_batches(lm_checkpoint):
-    run_distributed(_data_parallel_accumulation, 4, lm_checkpoint)
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "ddp"])
+def test_data_parallel_replicas_and_accumulated_batches(lm_checkpoint, wrap):
+    run_distributed(_data_parallel_accumulation, 4, lm_checkpoint, wrap)
 
 
 def _generate(rank, world_size, path, tp):
@@ -334,9 +333,10 @@ def _head_parity(rank, world_size, path, head, tp):
         return
     losses = [out.loss.detach() for out in model(**batch) if out.loss.backward() is None]
     for i, ours in zip((0, 2), losses, strict=True):
-        theirs = reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss
-        theirs.backward()
-        torch.testing.assert_close(ours, theirs.detach())
+        with torch.no_grad():
+            theirs = reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss
+        torch.testing.assert_close(ours, theirs)
+    reference(**batch).loss.backward()  # the gradients are the whole batch's
     grads = full_grads(model)
     theirs = {n: p.grad for n, p in reference.named_parameters()}
     theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
@@ -397,7 +397,7 @@ def test_split_checkpoint_of_another_partition_is_refused(lm_checkpoint, tmp_pat
 
 
 def test_gradient_buckets_group_by_dtype_and_size():
-    from oslo.models.base import _gradient_buckets
+    from oslo.parallel.data_parallel import _gradient_buckets
 
     grads = [torch.zeros(10), torch.zeros(4, dtype=torch.float16), torch.zeros(20), torch.zeros(30), torch.zeros(2)]
     buckets = list(_gradient_buckets(grads, bucket_bytes=100))  # a bucket closes once it reaches 100 bytes

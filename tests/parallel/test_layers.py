@@ -136,9 +136,10 @@ def _count_collectives(rank, world_size, config):
 
 def test_megatron_minimum_collectives():
     # Per block 2 all-reduces forward and 2 backward. Forward adds 1 for the embedding and 2 for the
-    # loss (row max; target logit and exp-sum fused in one). Backward adds 1 for the gradient of the
-    # hidden states entering the vocab-parallel LM head. Nothing else.
+    # loss (row max; target logit and exp-sum fused in one), and 1 all-gather of two int64 per rank
+    # before anything else: the check that every rank got the same inputs. Backward adds 1 for the
+    # gradient of the hidden states entering the vocab-parallel LM head. Nothing else.
     for layers in (1, 3):
         forward, backward = run_distributed(_count_collectives, 2, tiny_gpt2_config(n_layer=layers))[0]
-        assert forward == {"all_reduce": 2 * layers + 1 + 2, "other": 0}
+        assert forward == {"all_reduce": 2 * layers + 1 + 2, "other": 1}
         assert backward == {"all_reduce": 2 * layers + 1, "other": 0}

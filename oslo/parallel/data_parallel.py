@@ -1,0 +1,80 @@
+"""Data parallelism around a parallelized model: DistributedDataParallel found and checked, gradients
+averaged over the replicas, and item counts summed over them so that every replica's gradient is a
+share of the global batch's mean."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from oslo.parallel.comm import naming_timeouts
+from oslo.parallel.context import ParallelContext
+
+__all__ = ["active_data_parallel_wrapper", "average_over_replicas", "sum_over_replicas"]
+
+
+def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` whose forward is running now (``None`` outside one).
+
+    Raises:
+        ValueError: it averages over another group than the model's data-parallel group (at tensor or
+            pipeline parallelism, e.g. the default group, it would average shards of different layers).
+    """
+    ddp = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
+    if ddp is None:
+        return None
+    ranks = dist.get_process_group_ranks(ddp.process_group)
+    expected = [context.get_data_parallel_src_rank() + i * context.tensor_parallel_size * context.pipeline_parallel_size
+                for i in range(context.data_parallel_size)]
+    if sorted(ranks) != expected:
+        raise ValueError(
+            f"DistributedDataParallel averages gradients over ranks {sorted(ranks)}, but this rank's data-parallel "
+            f"replicas are ranks {expected}: averaging over other ranks mixes shards of different layers. Wrap the "
+            "model as DistributedDataParallel(model.gpu_modules(), "
+            "process_group=model.mpu.get_data_parallel_group())."
+        )
+    return ddp
+
+
+def _gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int = 2**26) -> Iterator[list[torch.Tensor]]:
+    """Gradients grouped by dtype into buckets of about ``bucket_bytes``, in parameter order: one
+    all-reduce per bucket, and at most one bucket's worth of extra memory."""
+    for dtype in sorted({grad.dtype for grad in grads}, key=str):
+        bucket, size = [], 0
+        for grad in (grad for grad in grads if grad.dtype == dtype):
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+
+def average_over_replicas(grads: list[torch.Tensor], context: ParallelContext) -> None:
+    """Replace each gradient by its mean over the data-parallel replicas, as ``DistributedDataParallel``
+    would (in buckets of 64 MB: no full flat copy of the gradients)."""
+    if context.data_parallel_size == 1:
+        return
+    for bucket in _gradient_buckets(grads):
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        with naming_timeouts(context, "averaging gradients over the data-parallel replicas"):
+            dist.all_reduce(flat, group=context.data_parallel_group)
+        flat.div_(context.data_parallel_size)
+        for grad, value in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
+            grad.copy_(value.view_as(grad))
+
+
+def sum_over_replicas(counts: dict[str, torch.Tensor], context: ParallelContext) -> dict[str, torch.Tensor]:
+    """``counts`` summed over the data-parallel replicas (one all-reduce for all of them)."""
+    if context.data_parallel_size == 1 or not counts:
+        return counts
+    names = sorted(counts)
+    flat = torch.cat([counts[name].reshape(-1).to(context.device, torch.int64) for name in names])
+    with naming_timeouts(context, "summing the loss's item counts over the data-parallel replicas"):
+        dist.all_reduce(flat, group=context.data_parallel_group)
+    parts = flat.split([counts[name].numel() for name in names])
+    return {name: part.view_as(counts[name]) for name, part in zip(names, parts, strict=True)}
