@@ -62,7 +62,7 @@ def run_on_all_ranks(context: ParallelContext, step: Callable[[], T], what: str)
     if context.world_size > 1:
         status = None if error is None else f"{type(error).__name__}: {error}"
         statuses: list[str | None] = [None] * context.world_size
-        with naming_timeouts(context, what, "call it on every rank"):
+        with naming_timeouts(context, what, "oslo's loading, saving and initialization run on every rank"):
             dist.all_gather_object(statuses, status, group=context.world_group)
         failed = [(rank, message) for rank, message in enumerate(statuses) if message is not None]
         if failed and error is None:
