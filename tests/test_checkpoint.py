@@ -206,3 +206,111 @@ def test_transformers_entry_points(lm_checkpoint, tmp_path):
     # ...split, save_pretrained would write a shard under full names: refused.
     run_distributed(_plain_save_refused, 2, lm_checkpoint, str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
+
+
+def _save_with_function(rank, world_size, source, target, merged):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size)
+    written = []
+
+    def save_function(tensors, path):  # transformers' save_pretrained argument, as the manual promises
+        written.append(os.path.basename(path))
+        torch.save(tensors, path)
+
+    model.save_pretrained_with_parallel(target, save_with_merging=merged, save_function=save_function)
+    with pytest.raises(ValueError, match="pass one of them"):
+        model.save_pretrained_with_parallel(target, save_function=save_function, safe_serialization=True)
+    return written
+
+
+def test_save_function_writes_the_weight_files(lm_checkpoint, tmp_path):
+    split = run_distributed(_save_with_function, 2, lm_checkpoint, str(tmp_path / "split"), False)
+    assert split == [["pytorch_model_tp=0_pp=0.bin"], ["pytorch_model_tp=1_pp=0.bin"]]
+    merged = run_distributed(_save_with_function, 2, lm_checkpoint, str(tmp_path / "merged"), True)
+    assert merged == [["pytorch_model.bin"], []]
+    torch.testing.assert_close(_reference_logits(str(tmp_path / "merged")), _reference_logits(lm_checkpoint))
+    assert run_distributed(_load_logits, 2, str(tmp_path / "split"), 2)[0].shape == (2, 7, 1001)
+
+
+def _save_without_config(rank, world_size, source, target):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=2)
+    model.save_pretrained_with_parallel(target, save_config=False)
+    with pytest.raises(FileNotFoundError, match="has no config.json .* Pass config=GPT2Config"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(target, tensor_parallel_size=2)
+    loaded = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        target, tensor_parallel_size=2, config=model.config, resid_pdrop=0.0
+    )
+    return loaded(INPUT_IDS).logits
+
+
+def test_split_save_without_config_loads_with_config_given(lm_checkpoint, tmp_path):
+    logits = run_distributed(_save_without_config, 2, lm_checkpoint, str(tmp_path))
+    torch.testing.assert_close(logits[0], _reference_logits(lm_checkpoint))
+
+
+def test_checkpoint_of_another_architecture_is_named(tmp_path):
+    config = transformers.GPTNeoConfig(vocab_size=1001, hidden_size=32, num_layers=2, num_heads=4,
+                                       attention_types=[[["global", "local"], 1]], max_position_embeddings=64)
+    transformers.GPTNeoForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="holds a 'gpt_neo' checkpoint, but GPT2LMHeadModel is a 'gpt2' model"):
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(str(tmp_path))
+
+
+def test_resize_token_embeddings_after_loading_names_the_argument(lm_checkpoint):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint)
+    with pytest.raises(NotImplementedError, match="Pass resize_token_embeddings=1100 to from_pretrained_with_parallel"):
+        model.resize_token_embeddings(1100)
+
+
+def _load_with_extra(rank, world_size, path):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("oslo.checkpoint").addHandler(handler)
+    oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2)
+    return records
+
+
+def test_unused_weights_are_decided_over_all_stages(lm_checkpoint, tmp_path):
+    """A checkpoint with one stray tensor beside block 1 (on the second stage): rank 0 reports it, and
+    only it; no stage's own layers are reported as unused by another stage."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(lm_checkpoint, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["transformer.h.1.stray.weight"] = torch.zeros(3)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    records = run_distributed(_load_with_extra, 2, str(tmp_path))
+    assert records[1] == []  # reported once, by rank 0
+    assert records[0] == [f"Unused weights of {tmp_path}: ['transformer.h.1.stray.weight']"]
+
+
+def _groups_used(rank, world_size, path, target):
+    """oslo's own collectives (load, save, merge) name a group of the model's context, never the
+    default group, so other users of torch.distributed in the process never meet them."""
+    import torch.distributed as dist
+
+    used = []
+    names = ("all_gather_object", "send", "recv", "broadcast", "all_reduce", "all_gather", "gather", "barrier")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            used.append((name, kwargs.get("group")))
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2)
+    model.save_pretrained_with_parallel(target, save_with_merging=True)
+    model.save_pretrained_with_parallel(target + "-split")
+    return [(name, group is None or group is dist.group.WORLD) for name, group in used]
+
+
+def test_oslo_collectives_use_the_contexts_groups(lm_checkpoint, tmp_path):
+    for calls in run_distributed(_groups_used, 2, lm_checkpoint, str(tmp_path / "out")):
+        assert calls and not [name for name, default in calls if default], calls

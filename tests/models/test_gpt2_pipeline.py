@@ -476,3 +476,65 @@ def test_copies_stay_identical_through_training(lm_checkpoint):
         torch.testing.assert_close(wte, lm_head, rtol=0, atol=0)
     original = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint).transformer.ln_f.weight
     assert not torch.equal(ranks[2]["transformer.ln_f.weight"], original)  # the steps did change the weights
+
+
+def _indexing(rank, world_size, path):
+    pp = world_size
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=pp)
+    layers = model.transformer.h
+    if pp == 1:  # like the unsplit model's nn.ModuleList
+        assert layers[-1] is layers[3] and [id(m) for m in layers[1:3]] == [id(layers[1]), id(layers[2])]
+        assert isinstance(layers[:2], torch.nn.ModuleList) and len(layers[::2]) == 2
+        with pytest.raises(IndexError, match="out of range for a model of 4 layers"):
+            layers[4]
+        return None
+    stage = model.mpu.get_pipeline_parallel_rank()  # stage 0 holds blocks 0 and 1, stage 1 blocks 2 and 3
+    if stage == 0:
+        assert layers[-3] is layers[1] and list(layers[:2]) == [layers[0], layers[1]]
+    else:
+        assert layers[-1] is layers[3] and list(layers[2:]) == [layers[2], layers[3]]
+    with pytest.raises(IndexError, match=r"layer \d is not on this pipeline stage, which holds layers"):
+        layers[-1 if stage == 0 else 0]
+    with pytest.raises(IndexError, match="is not on this pipeline stage"):
+        layers[:]
+    return stage
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_layers_take_negative_indices_and_slices(lm_checkpoint, pp):
+    run_distributed(_indexing, pp, lm_checkpoint)
+
+
+def _loss_of_a_pipeline_step(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2).train()
+    step = model(**_batch())
+    with pytest.raises(AttributeError, match="returns the micro-batch outputs of a training step.*for micro_output in"):
+        step.loss  # noqa: B018
+    with pytest.raises(TypeError, match="not subscriptable.*micro_output.loss.backward"):
+        step[0]
+    for micro_output in step:
+        micro_output.loss.backward()
+
+
+def test_loss_of_a_pipeline_training_step_says_to_iterate(lm_checkpoint):
+    run_distributed(_loss_of_a_pipeline_step, 2, lm_checkpoint)
+
+
+def _classification_problem_type(rank, world_size, path, target):
+    model = oslo.GPT2ForSequenceClassification.from_pretrained_with_parallel(
+        path, pipeline_parallel_size=2, micro_batch_size=2
+    ).train()
+    assert model.config.problem_type is None
+    for micro_output in model(**_head_batch("GPT2ForSequenceClassification")):
+        micro_output.loss.backward()
+    model.save_pretrained_with_parallel(target, save_with_merging=True)  # rank 0 (first stage) writes config.json
+    return model.config.problem_type
+
+
+def test_problem_type_is_decided_on_every_stage(tmp_path):
+    save_reference(transformers.GPT2ForSequenceClassification, tiny_gpt2_config(n_layer=4, num_labels=3),
+                   tmp_path / "source")
+    types = run_distributed(_classification_problem_type, 2, str(tmp_path / "source"), str(tmp_path / "out"))
+    assert types == ["single_label_classification"] * 2
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["problem_type"] == "single_label_classification"

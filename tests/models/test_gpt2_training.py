@@ -165,3 +165,31 @@ def _num_items(rank, world_size, path):
 
 def test_num_items_in_batch_is_honoured(checkpoints):
     run_distributed(_num_items, 2, checkpoints["GPT2LMHeadModel"])
+
+
+def _logits_by_default(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    batch = global_batch("GPT2LMHeadModel")
+    expected = reference(**batch)
+    trained = model(**batch)  # a training call: the loss, no all-gather of the logits
+    torch.testing.assert_close(trained.loss, expected.loss)
+    assert "logits" not in trained and trained[0] is trained.loss and len(trained.to_tuple()) == 2  # + the cache
+    with pytest.raises(AttributeError, match="logits were not gathered.*Pass gather_logits=True"):
+        trained.logits  # noqa: B018
+    assert "logits=" not in repr(trained)
+    torch.testing.assert_close(model(**batch, gather_logits=True).logits, expected.logits)
+    assert model(**batch, gather_logits=False).logits is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, expected.logits)  # evaluation as before
+    unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+    torch.testing.assert_close(model(**unlabelled).logits, expected.logits)  # no labels
+    torch.testing.assert_close(model.eval()(**batch).logits, expected.logits)  # eval mode
+    doubled = oslo.GPT2DoubleHeadsModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    choices = global_batch("GPT2DoubleHeadsModel")
+    with pytest.raises(AttributeError, match="gather_logits=True"):
+        doubled(**choices).logits  # noqa: B018
+
+
+def test_training_call_skips_the_logits_gather_and_says_so(checkpoints):
+    run_distributed(_logits_by_default, 2, checkpoints["GPT2LMHeadModel"])

@@ -127,7 +127,7 @@ def _count_collectives(rank, world_size, config):
     for name in originals:
         setattr(dist, name, counting(name))
     ids = torch.randint(0, config.vocab_size, (2, 8))
-    loss = model(input_ids=ids, labels=ids, gather_logits=False).loss
+    loss = model(input_ids=ids, labels=ids).loss  # a training call: the logits are not gathered by default
     forward = dict(counts)
     counts.update(all_reduce=0, other=0)
     loss.backward()
