@@ -202,6 +202,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         nothing."""
         if self.parallel_context.tensor_parallel_size == 1 or not torch.is_grad_enabled():
             return None
+        self._overflow_check_pending = False  # a backward that failed before its check must not block this one
         engine = torch.autograd.Variable._execution_engine
 
         def check(scan: bool) -> None:

@@ -1,0 +1,103 @@
+"""Cost of checking that every rank of a tensor/pipeline-parallel group got the same inputs.
+
+Every outermost model call at tensor or pipeline parallelism first runs
+``oslo.parallel.agreement.check_same_inputs``: a digest of every input (shapes, dtypes, options, and a
+weighted sum of the values) and one all-gather of two int64 per rank over the model-parallel group.
+Measured at tp=2 over gloo, one thread per rank, against what it guards:
+
+(a) a training step (forward + backward of ``GPT2LMHeadModel``, gpt2-medium width, 4 layers,
+    8 x 256 tokens with labels and an attention mask). Target: the check costs < 1 % of the step.
+(b) one decoding step of ``generate()`` (1 new token per row for 8 rows, KV cache of 256 positions):
+    the check runs at every step, so it is reported against the step too.
+
+The check is timed on its own (median of 200 calls on the same inputs), and so are the step and the
+decoding step (medians of a few runs); the ratio is check / step.
+
+Run: ``python benchmarks/input_check.py``; options: ``--n-layer 4 --batch 8 --seq 256 --iters 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _tp_harness as bench
+import torch
+import torch.distributed as dist
+
+import oslo
+from oslo.parallel.agreement import check_same_inputs
+
+TARGET = 0.01
+
+
+def _measure(rank: int, world_size: int, config, batch: int, seq: int, iters: int) -> dict[str, float]:
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
+    context = model.parallel_context
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    training = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids)
+
+    def timed_median(fn, count):
+        times = []
+        for _ in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return bench.median(times)
+
+    check_training = timed_median(lambda: check_same_inputs(context, (), training), 200)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**training).loss.backward()
+
+    model.train()
+    step()  # warm-up
+    step_time = timed_median(step, iters)
+
+    model.eval()
+    with torch.no_grad():
+        cache = model(input_ids=input_ids, use_cache=True).past_key_values
+    token = input_ids[:, -1:]
+    decoding = dict(input_ids=token, past_key_values=cache, use_cache=True,
+                    attention_mask=torch.ones(batch, seq + 1, dtype=torch.long))
+    check_decoding = timed_median(lambda: check_same_inputs(context, (), decoding), 200)
+
+    def decode():
+        with torch.no_grad():
+            model(**decoding)
+        cache.crop(-1)  # the next run decodes the same position again
+
+    decode()
+    decode_time = timed_median(decode, 5 * iters)
+    return dict(check_training=check_training, step=step_time, check_decoding=check_decoding, decode=decode_time)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args(argv)
+    config = bench.gpt2_config("medium", n_layer=args.n_layer)
+    bench.header("input check: digest + one all-gather per model call, tp=2 x 1 thread, gloo")
+    print(f"   {bench.describe(config)}; batch {args.batch} x seq {args.seq}; float32")
+    results = bench.launch(_measure, 2, config, args.batch, args.seq, args.iters)
+    slowest = {key: max(r[key] for r in results) for key in results[0]}
+    training_ratio = slowest["check_training"] / slowest["step"]
+    decoding_ratio = slowest["check_decoding"] / slowest["decode"]
+    passed = training_ratio < TARGET
+    print(f"   (a) check {slowest['check_training'] * 1e3:.3f} ms / training step {slowest['step']:.3f} s "
+          f"= {training_ratio * 100:.3f} %  target < {TARGET * 100:.0f} %  [{bench.verdict(passed)}]")
+    print(f"   (b) check {slowest['check_decoding'] * 1e3:.3f} ms / decoding step {slowest['decode'] * 1e3:.1f} ms "
+          f"= {decoding_ratio * 100:.2f} %")
+    print(f"\ninput_check overall: {bench.verdict(passed)}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
