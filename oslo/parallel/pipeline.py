@@ -1,8 +1,12 @@
 """Pipeline parallelism: which blocks a stage holds, point-to-point transfers, and the 1F1B schedule.
 
 A model split into ``P`` stages runs a batch as ``M`` micro-batches. Training uses the 1F1B
-schedule as a generator: stage ``s`` first runs ``P - s - 1`` forward passes, then alternates one
-forward with one backward, and ends with the remaining backwards. Each *backward* is the user's
+schedule as a generator: stage ``s`` first runs ``P - s`` forward passes (the last stage none), then
+alternates one forward with one backward, and ends with the remaining backwards. That is one forward
+more ahead than the textbook 1F1B (``P - s - 1``): the next stage then always has its next input
+before it needs it, so the time a transfer takes between stages is hidden behind compute instead of
+adding to the bubble at every micro-batch (on CPU over gloo a transfer takes about a millisecond);
+the price is one micro-batch more of activations held by each stage but the last. Each *backward* is the user's
 ``micro_output.loss.backward()`` between two ``next()`` calls of the generator, so the usual loop
 
 .. code-block:: python
@@ -15,14 +19,16 @@ last stage sends it back with the gradient), and its ``backward()`` runs this st
 backward pass: the last stage backpropagates the loss, the others backpropagate the gradient received
 from the next stage.
 
-Transfers are ``isend`` (kept until the step ends) and blocking ``recv`` in the order of the 1F1B
-schedule, which cannot deadlock. Every tensor is preceded by a small header (dtype and shape), so the
-receiver never guesses shapes and a mismatch is an error, not a hang. Peers are the ranks with the
+Transfers are ``isend`` (kept until the step ends) and blocking ``recv`` in the order of the
+schedule, which cannot deadlock. The first tensor of a step in each direction is preceded by a small
+header (dtype and shape), so the receiver never guesses shapes and a mismatch is an error, not a
+hang; the others travel as one message each (see :class:`StageLink`). Peers are the ranks with the
 same tensor- and data-parallel rank in the neighbouring stages.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -47,8 +53,11 @@ __all__ = [
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _MAX_DIMS = 8
-_ABORT = -1  # header code: the sender failed, a message follows instead of a tensor
-_NONE = -2  # header code: no tensor (an output field that is None)
+_HEADER = 4 + _MAX_DIMS  # int64: code, dtype, dims, shape..., length of what follows (an abort's message)
+_TRAILER = 32  # bytes after a packed tensor: int64 code, int64 length, 2 x float64 values sent along
+_OK = 0
+_ABORT = -1  # code: the sender failed, a message follows instead of a tensor
+_NONE = -2  # code: no tensor (an output field that is None)
 
 
 def partition_layers(
@@ -169,7 +178,17 @@ class PipelineAbortedError(RuntimeError):
 
 
 class StageLink:
-    """Point-to-point transfers between this stage and its neighbours (and broadcasts from the last)."""
+    """Point-to-point transfers between this stage and its neighbours (and broadcasts from the last).
+
+    The first tensor a link carries in each direction is preceded by a header (dtype and shape), so
+    the receiver never guesses shapes. Within one step every later tensor of that direction has the
+    same dtype and shape (micro-batches are equal), so it travels as a single message: the tensor's
+    bytes followed by a 32-byte trailer (a status code, a length, and two float64 values that ride
+    along, the loss and the backward seed). A message latency is paid once per transfer, not twice
+    (or four times for a gradient with its loss), which on CPU is what stretches the 1F1B bubble.
+    A failure is sent in place of the next tensor (a header, or a trailer, saying so), followed by
+    its message.
+    """
 
     def __init__(self, context: ParallelContext) -> None:
         self.context = context
@@ -179,25 +198,63 @@ class StageLink:
             context.pipeline_parallel_global_rank(stage + 1) if stage < context.pipeline_parallel_size - 1 else None
         )
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # (direction, peer) -> (dtype, shape) of the tensors that link carries since its header
+        self._shapes: dict[tuple[str, int], tuple[torch.dtype, tuple[int, ...]]] = {}
 
     @staticmethod
-    def _header(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-            raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages.")
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0] = _DTYPES.index(tensor.dtype)
-        header[1] = tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    def _header(tensor: torch.Tensor | None, code: int = 0, length: int = 0) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = code
+        if tensor is not None:
+            if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+                raise ValueError(
+                    f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages."
+                )
+            header[1] = _DTYPES.index(tensor.dtype)
+            header[2] = tensor.dim()
+            header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header[-1] = length
         return header
+
+    @staticmethod
+    def _described(header: list[int]) -> tuple[torch.dtype, tuple[int, ...]]:
+        return _DTYPES[header[1]], tuple(header[3 : 3 + header[2]])
 
     def _device_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.context.device)
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        """Send ``tensor`` (header first) to global rank ``peer`` without waiting for it to arrive."""
-        tensor = tensor.detach().contiguous()
-        for part in (self._device_tensor(self._header(tensor)), tensor):
-            self._pending.append((dist.isend(part, peer), part))
+    def _packed(self, tensor: torch.Tensor | None, nbytes: int, code: int, length: int = 0,
+                extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``nbytes`` of payload (``tensor``'s bytes, or zeros) followed by the trailer."""
+        device = self.context.device
+        trailer = torch.zeros(_TRAILER // 8, dtype=torch.float64, device=device)
+        trailer[0:2] = torch.tensor([code, length], dtype=torch.int64, device=device).view(torch.float64)
+        if extra is not None:
+            trailer[2 : 2 + extra.numel()] = extra.detach().reshape(-1).to(device, torch.float64)
+        payload = (
+            tensor.reshape(-1).view(torch.uint8) if tensor is not None
+            else torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        )
+        return torch.cat([payload, trailer.view(torch.uint8)])
+
+    def _isend(self, part: torch.Tensor, peer: int) -> None:
+        self._pending.append((dist.isend(part, peer), part))
+
+    def send(self, tensor: torch.Tensor, peer: int, extra: torch.Tensor | None = None) -> None:
+        """Send ``tensor`` to global rank ``peer`` without waiting for it to arrive; ``extra`` (at most
+        two numbers, e.g. the loss and the backward seed) travels with it."""
+        tensor = self._device_tensor(tensor.detach().contiguous())
+        key = ("send", peer)
+        described = (tensor.dtype, tuple(tensor.shape))
+        if key not in self._shapes:
+            self._isend(self._device_tensor(self._header(tensor)), peer)
+            self._shapes[key] = described
+        elif self._shapes[key] != described:
+            raise ValueError(
+                f"pipeline stage output changed within a step: {described} after {self._shapes[key]}; every "
+                "micro-batch of a step must give tensors of one dtype and shape."
+            )
+        self._isend(self._packed(tensor, tensor.numel() * tensor.element_size(), _OK, extra=extra), peer)
 
     def send_abort(self, peer: int, message: str) -> None:
         """Tell ``peer``, whose next receive from this rank is still to come, that the step failed here.
@@ -205,29 +262,46 @@ class StageLink:
         Waits for this message only: earlier sends may never be received now.
         """
         encoded = torch.tensor(list(message.encode()), dtype=torch.uint8)
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0], header[1] = _ABORT, encoded.numel()
-        parts = [self._device_tensor(part) for part in (header, encoded)]
+        key = ("send", peer)
+        if key not in self._shapes:
+            first = self._header(None, _ABORT, encoded.numel())
+        else:
+            dtype, shape = self._shapes[key]
+            first = self._packed(None, math.prod(shape) * dtype.itemsize, _ABORT, encoded.numel())
+        parts = [self._device_tensor(part) for part in (first, encoded)]
         for work in [dist.isend(part, peer) for part in parts]:
             work.wait()
 
-    def recv(self, peer: int) -> torch.Tensor:
-        """Receive the next tensor global rank ``peer`` sent to this rank.
+    def _raise_abort(self, peer: int, length: int) -> None:
+        message = self._device_tensor(torch.empty(length, dtype=torch.uint8))
+        dist.recv(message, peer)
+        raise PipelineAbortedError(bytes(message.tolist()).decode())
+
+    def recv(self, peer: int, with_extra: bool = False):
+        """Receive the next tensor global rank ``peer`` sent to this rank (with the two ``extra``
+        numbers sent along, as a float64 tensor, when ``with_extra``).
 
         Raises:
             PipelineAbortedError: ``peer`` failed and sent :meth:`send_abort` instead.
         """
-        header = self._device_tensor(torch.empty(2 + _MAX_DIMS, dtype=torch.int64))
-        dist.recv(header, peer)
-        header = header.tolist()
-        if header[0] == _ABORT:
-            message = self._device_tensor(torch.empty(header[1], dtype=torch.uint8))
-            dist.recv(message, peer)
-            raise PipelineAbortedError(bytes(message.tolist()).decode())
-        shape = header[2 : 2 + header[1]]
-        tensor = torch.empty(shape, dtype=_DTYPES[header[0]], device=self.context.device)
-        dist.recv(tensor, peer)
-        return tensor
+        key = ("recv", peer)
+        if key not in self._shapes:
+            header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
+            dist.recv(header, peer)
+            header = header.tolist()
+            if header[0] == _ABORT:
+                self._raise_abort(peer, header[-1])
+            self._shapes[key] = self._described(header)
+        dtype, shape = self._shapes[key]
+        nbytes = math.prod(shape) * dtype.itemsize
+        packed = self._device_tensor(torch.empty(nbytes + _TRAILER, dtype=torch.uint8))
+        dist.recv(packed, peer)
+        trailer = packed[nbytes:].clone().view(torch.float64)  # a copy: the offset may not be 8-aligned
+        code, length = trailer[:2].view(torch.int64).tolist()
+        if code == _ABORT:
+            self._raise_abort(peer, length)
+        tensor = packed[:nbytes].view(dtype).view(shape)
+        return (tensor, trailer[2:]) if with_extra else tensor
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Give every stage the last stage's ``tensor``, or ``None`` if it has none."""
@@ -252,20 +326,20 @@ class StageLink:
         is_source = context.pipeline_parallel_rank == stage
         if is_source:
             if tensor is None:
-                header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-                header[0] = _NONE
+                header = self._header(None, _NONE)
             else:
                 tensor = tensor.detach().contiguous()
                 header = self._header(tensor)
             header = self._device_tensor(header)
         else:
-            header = self._device_tensor(torch.empty(2 + _MAX_DIMS, dtype=torch.int64))
+            header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
         dist.broadcast(header, source, group=group)
         values = header.tolist()
         if values[0] == _NONE:
             return None
         if not is_source:
-            tensor = torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=context.device)
+            dtype, shape = self._described(values)
+            tensor = torch.empty(shape, dtype=dtype, device=context.device)
         dist.broadcast(tensor, source, group=group)
         return tensor
 
@@ -384,7 +458,9 @@ def pipeline_schedule(
     link = StageLink(context)
     first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
     stage = context.pipeline_parallel_rank
-    warmup = min(context.pipeline_parallel_size - stage - 1, num_micro_batches)
+    # One forward more ahead than textbook 1F1B (see the module docstring); the last stage runs each
+    # micro-batch's backward right after its forward.
+    warmup = 0 if last else min(context.pipeline_parallel_size - stage, num_micro_batches)
     received: dict[int, torch.Tensor | None] = {}
     results: dict[int, Any] = {}
     scaled = False
@@ -417,8 +493,8 @@ def pipeline_schedule(
             yield micro_output(result, loss)
         else:
             try:
-                gradient = link.recv(link.next)
-                loss_value, seed = link.recv(link.next).unbind()
+                gradient, extra = link.recv(link.next, with_extra=True)
+                loss_value, seed = extra.to(torch.float32).unbind()
             except PipelineAbortedError as error:
                 _abort_towards_first(link, str(error))
                 raise
@@ -437,8 +513,7 @@ def pipeline_schedule(
             raise RuntimeError(message)
         scaled = scaled or not bool((seeds[0] == 1).all())
         if not first:
-            link.send(inputs.grad, link.prev)
-            link.send(torch.stack([loss_value, seeds[0].to(loss_value.dtype)]), link.prev)
+            link.send(inputs.grad, link.prev, extra=torch.stack([loss_value, seeds[0].to(loss_value.dtype)]))
     link.wait_all()
     after_step(scaled)
 

@@ -214,18 +214,21 @@ def test_bad_micro_batches_and_skipped_backward_fail_every_stage(lm_checkpoint):
     run_distributed(_bad_micro_batch, 2, lm_checkpoint)
 
 
-def _skipped_backward(rank, world_size, path):
+def _skipped_backward(rank, world_size, path, skipped):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=world_size)
-    with pytest.raises(RuntimeError, match="micro-batch 0 was not backpropagated on pipeline stage 3"):
-        for _ in model(**_batch()):
-            pass
+    with pytest.raises(RuntimeError, match=f"micro-batch {skipped} was not backpropagated on pipeline stage 3"):
+        for i, micro_output in enumerate(model(**_batch())):
+            if i < skipped:
+                micro_output.loss.backward()
     return model.mpu.get_pipeline_parallel_rank()
 
 
-def test_skipped_backward_reaches_every_stage_of_four(lm_checkpoint):
+@pytest.mark.parametrize("skipped", [0, 2])
+def test_skipped_backward_reaches_every_stage_of_four(lm_checkpoint, skipped):
     """The failure travels from the last stage through the middle ones, which still have activations
-    in flight, to the first: every stage raises, none waits."""
-    assert run_distributed(_skipped_backward, 4, lm_checkpoint, timeout=60) == [0, 1, 2, 3]
+    in flight, to the first: every stage raises, none waits. (Skipping micro-batch 0 aborts before the
+    first gradient is sent, skipping micro-batch 2 after: the failure then replaces a packed tensor.)"""
+    assert run_distributed(_skipped_backward, 4, lm_checkpoint, skipped, timeout=60) == [0, 1, 2, 3]
 
 
 def _data_parallel_accumulation(rank, world_size, path, wrap):
