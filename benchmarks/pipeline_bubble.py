@@ -1,0 +1,319 @@
+"""The 1F1B pipeline bubble with balanced, simulated stage compute (gloo, CPU).
+
+What runs: ``oslo.parallel.pipeline.pipeline_schedule`` itself, in ``p`` forked gloo ranks (one torch
+thread each), with a stage whose compute is simulated: its forward sleeps ``t_f`` (default 100 ms)
+inside a custom ``torch.autograd.Function`` whose backward sleeps ``2 t_f``, so the backward that
+``loss.backward()`` triggers takes ``2 t_f`` on every stage (the usual backward = 2 x forward). The
+tensors sent between stages are tiny (4 x 8 float32), so what the run measures is the schedule: its
+order of forwards and backwards, and its blocking ``recv`` / non-blocking ``isend`` between stages.
+Sleeping rather than spinning keeps the stages balanced on a machine with fewer cores than ranks.
+
+How the bubble is measured. Each stage records its ``TimelineEvent`` list (``timeline=[]``): one
+event per forward (from after the activation has been received to after it has been handed to
+``isend``) and one per backward (from after the gradient has been received to the end of
+``loss.backward()``). Waiting in ``recv`` for a neighbour is outside every event: it is idle time.
+Per step and stage, busy = the sum of the stage's event durations. The step span is common to all
+stages: from the earliest event start over all stages (the first stage's first forward) to the
+latest event end over all stages (the first stage's last backward). ``time.perf_counter`` is
+``CLOCK_MONOTONIC``, one clock for all processes of the machine, so starts and ends of different
+ranks compare directly. Idle fraction of a stage = 1 - busy / span. Measured against the common span
+(not each stage's own first-to-last event), every stage is charged the whole bubble, the first stage
+included: it starts first but finishes last, idle while its last backwards wait for gradients.
+A ``dist.barrier()`` precedes each step; one warm-up step is discarded, then the median over
+``--steps`` (default 3) steps of each stage's idle fraction is reported.
+
+Reference: 1F1B with ``m`` micro-batches on ``p`` balanced stages takes ``(m + p - 1)`` forward +
+backward slots, of which each stage is busy ``m``: idle fraction ``(p - 1) / (m + p - 1)`` on every
+stage. Target: the mean measured idle fraction within 10 % (relative) of that, for every ``p`` in
+{2, 4} and ``m`` in {4, 8, 16}.
+
+What the theory leaves out: what the schedule itself costs per micro-batch on each stage, outside
+the forward and backward events: receiving (a blocking ``recv`` that must wake the process: 0.3 ms
+median here even when the data has already arrived, with tails of several ms), packing and sending
+the output, and the Python of the loop, about 1 ms per micro-batch in all on this 2-vCPU VM. (The
+latency of a transfer itself is hidden: the schedule runs one forward more ahead than textbook 1F1B,
+and after the first transfer of a step each transfer is one gloo message; see
+``oslo/parallel/pipeline.py``.) That fixed cost is a larger share of a short simulated compute: with
+``t_f = 100 ms`` (the default; a gpt2-medium-width stage of 4 blocks takes 170-470 ms per micro-batch
+forward on one CPU thread, benchmarks/pipeline_timeline.py) it is about 0.3 % of a micro-batch, with
+``--t-forward-ms 20`` about 2 %, which puts the larger ``m`` above the 10 % target. To show where the
+time goes the script also
+
+* measures the transfer latency between stages 0 and 1 with the schedule's own ``StageLink`` (a
+  probe before the steps; mean of 12): "on time" (the receiver already waits in ``recv``) and
+  "late" (the data was sent before the receiver calls ``recv``), forward and backward;
+* prints the span's excess over the balanced ideal ``(m + p - 1) x`` (a stage's mean busy time per
+  micro-batch), in total and per micro-batch;
+* simulates oslo's schedule with the measured event durations and those latencies
+  (:func:`simulate_1f1b`; with zero latency it reproduces ``(p - 1) / (m + p - 1)`` exactly) and
+  prints measured / simulated.
+
+Busy-waiting (``--spin``) does not help on this machine: with as many spinning ranks as cores,
+gloo's own threads wait for a core and the latencies grow.
+
+Run: ``python benchmarks/pipeline_bubble.py`` (about 2.5 minutes; with ``--t-forward-ms 20`` about
+40 s); options: ``--stages 2 4``, ``--micro-batches 4 8 16``, ``--t-forward-ms 100``, ``--steps 3``,
+``--spin`` (busy-wait instead of sleeping; needs a core per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _tp_harness as bench
+import torch
+import torch.distributed as dist
+
+import oslo
+from oslo.parallel.pipeline import StageLink, pipeline_schedule
+
+TOLERANCE = 0.10  # relative, on the mean idle fraction
+
+
+def _wait(seconds: float, spin: bool) -> None:
+    if spin:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(seconds)
+
+
+class _SimulatedCompute(torch.autograd.Function):
+    """Identity whose forward takes ``seconds`` and whose backward takes ``2 x seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, spin):
+        ctx.seconds, ctx.spin = seconds, spin
+        _wait(seconds, spin)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _wait(2 * ctx.seconds, ctx.spin)
+        return grad, None, None
+
+
+def _probe_latency(context, t_forward: float, spin: bool, repeats: int = 12) -> dict[str, list[float]]:
+    """Latency of the schedule's transfers between stages 0 and 1, measured with its own ``StageLink``.
+
+    ``forward``: one activation (4 x 8 float32) from stage 0 to stage 1; ``backward``: the gradient with
+    the (loss, seed) pair riding along, from stage 1 to stage 0, as the schedule sends them (after the
+    first transfer of each direction, which carries a header, one message each).
+    ``on time``: the receiver is already blocked in ``recv`` when, after a wait of ``t_f``, the sender
+    sends; latency from before the first ``isend`` to after the last ``recv`` (the shared clock).
+    ``late``: the sender has sent long before the receiver calls ``recv`` (after a wait of ``t_f``);
+    latency from the ``recv`` call to its return. Returns, on stage 1, the latencies in seconds.
+    """
+    link = StageLink(context)
+    stage = context.pipeline_parallel_rank
+    activation, pair = torch.zeros(4, 8), torch.tensor([1.0, 1.0])
+    out: dict[str, list[float]] = {"forward on time": [], "forward late": [], "backward on time": [],
+                                   "backward late": []}
+    for _ in range(repeats):
+        for case in out:
+            dist.barrier()
+            if stage > 1:
+                continue
+            sender = stage == (0 if case.startswith("forward") else 1)
+            on_time = case.endswith("on time")
+            if sender:
+                if on_time:
+                    _wait(t_forward, spin)
+                start = time.perf_counter()
+                if case.startswith("forward"):
+                    link.send(activation, link.next)
+                else:
+                    link.send(activation, link.prev, extra=pair)
+                link.wait_all()
+                sent = torch.tensor([start], dtype=torch.float64)
+                dist.send(sent, 1 - stage)
+            else:
+                if not on_time:
+                    _wait(t_forward, spin)
+                start = time.perf_counter()
+                link.recv(link.prev if stage == 1 else link.next, with_extra=True)
+                end = time.perf_counter()
+                sent = torch.zeros(1, dtype=torch.float64)
+                dist.recv(sent, 1 - stage)
+                latency = end - (float(sent) if on_time else start)
+                if stage == 1:
+                    out[case].append(latency)
+                else:
+                    dist.send(torch.tensor([latency], dtype=torch.float64), 1)
+            if stage == 1 and sender:
+                value = torch.zeros(1, dtype=torch.float64)
+                dist.recv(value, 0)
+                out[case].append(float(value))
+    return out
+
+
+def _bubble_rank(rank: int, world_size: int, m: int, t_forward: float, steps: int, spin: bool) -> dict:
+    context = oslo.ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=world_size)
+    dist.barrier()
+    probe = _probe_latency(context, t_forward, spin)
+    weight = torch.ones(4, 8, requires_grad=True)  # something on every stage for the backward to reach
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+    def stage_forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
+        x = (inputs if received is None else received) * weight
+        return _SimulatedCompute.apply(x, t_forward, spin)
+
+    timelines = []
+    for _ in range(steps + 1):  # the first is the warm-up
+        timeline: list = []
+        dist.barrier()
+        schedule = pipeline_schedule(
+            context, m, stage_forward,
+            micro_output=lambda result, loss: loss,
+            last_stage_loss=lambda result: result.sum(),
+            after_step=lambda scaled: None,
+            timeline=timeline,
+        )
+        for loss in schedule:
+            loss.backward()
+        weight.grad = None
+        timelines.append([tuple(event) for event in timeline])
+    return {"timelines": timelines[1:], "probe": probe}
+
+
+def _latency(results: list[dict]) -> dict[str, float]:
+    """Mean transfer latencies between stages 0 and 1 (see :func:`_probe_latency`); the mean, since
+    the latencies on a critical path add up, tails included."""
+    return {case: sum(values) / len(values) for case, values in results[1]["probe"].items()}
+
+
+def simulate_1f1b(p: int, m: int, t_f: float, t_b: float, latency: dict[str, float] | None = None) -> float:
+    """Idle fraction (every stage alike) of oslo's 1F1B order with stage times ``t_f``/``t_b`` and latencies.
+
+    Each stage runs its operations in the schedule's order (``p - s`` warm-up forwards, none on the
+    last stage, then one
+    forward and one backward alternately, then the remaining backwards). An operation that receives
+    (forward ``i`` from the previous stage's forward ``i``; backward ``i`` from the next stage's
+    backward ``i``) starts at ``max(sent + on-time latency, stage free + late latency)``, with the
+    latencies of :func:`_probe_latency`; the others start when the stage is free (the last stage's
+    backward ``i`` right after its forward ``i``). Without latencies every stage is idle
+    ``(p - 1) / (m + p - 1)``.
+    """
+    latency = latency or {}
+    orders = []
+    for s in range(p):
+        warmup = 0 if s == p - 1 else min(p - s, m)
+        order = [("forward", i) for i in range(warmup)]
+        for i in range(m):
+            if i + warmup < m:
+                order.append(("forward", i + warmup))
+            order.append(("backward", i))
+        orders.append(order)
+    end: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * p, [0.0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                phase, i = orders[s][position[s]]
+                duration = t_f if phase == "forward" else t_b
+                if phase == "forward" and s == 0:
+                    start = free[s]
+                elif phase == "backward" and s == p - 1:
+                    start = max(free[s], end[("forward", s, i)])
+                else:
+                    sender = (phase, s - 1 if phase == "forward" else s + 1, i)
+                    if sender not in end:
+                        break
+                    start = max(end[sender] + latency.get(f"{phase} on time", 0.0),
+                                free[s] + latency.get(f"{phase} late", 0.0))
+                end[(phase, s, i)] = free[s] = start + duration
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the simulated schedule deadlocked")
+    span = max(free)  # the first stage's first forward starts at 0
+    return 1.0 - m * (t_f + t_b) / span
+
+
+def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int) -> dict:
+    """Idle fraction per stage and step, the spans, and the span's excess over the balanced ideal."""
+    steps = len(per_rank[0])
+    forwards = [e[3] - e[2] for stage in per_rank for step in stage for e in step if e[1] == "forward"]
+    backwards = [e[3] - e[2] for stage in per_rank for step in stage for e in step if e[1] == "backward"]
+    idle = [[0.0] * steps for _ in range(p)]
+    spans, excess = [], []
+    for k in range(steps):
+        events = [per_rank[s][k] for s in range(p)]
+        for s in range(p):
+            if len(events[s]) != 2 * m:
+                raise RuntimeError(f"stage {s} recorded {len(events[s])} events, expected {2 * m}")
+        start = min(e[2] for stage in events for e in stage)
+        end = max(e[3] for stage in events for e in stage)
+        span = end - start
+        busy = [sum(e[3] - e[2] for e in stage) for stage in events]
+        for s in range(p):
+            idle[s][k] = 1.0 - busy[s] / span
+        spans.append(span)
+        excess.append(span - (m + p - 1) * (sum(busy) / p) / m)
+    return {
+        "idle": [bench.median(values) for values in idle],
+        "span": bench.median(spans),
+        "excess": bench.median(excess),
+        "t_f": bench.median(forwards),
+        "t_b": bench.median(backwards),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--t-forward-ms", type=float, default=100.0, help="simulated forward per stage")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median)")
+    parser.add_argument("--spin", action="store_true", help="busy-wait instead of sleeping")
+    args = parser.parse_args(argv)
+    t_forward = args.t_forward_ms / 1000
+    bench.header("1F1B pipeline bubble, balanced simulated stages (gloo, CPU)")
+    print(f"   forward {args.t_forward_ms:g} ms, backward {2 * args.t_forward_ms:g} ms per stage "
+          f"({'busy-wait' if args.spin else 'sleep'}), 4 x 8 float32 between stages, 1 warm-up + "
+          f"median of {args.steps} steps; idle = 1 - busy / common step span; target: mean within "
+          f"{TOLERANCE:.0%} of (p-1)/(m+p-1)")
+    ok = True
+    rows = []
+    for p in args.stages:
+        for m in args.micro_batches:
+            results = bench.launch(_bubble_rank, p, m, t_forward, args.steps, args.spin)
+            result = _analyse([r["timelines"] for r in results], p, m)
+            latency = _latency(results)
+            theory = (p - 1) / (m + p - 1)
+            mean = sum(result["idle"]) / p
+            ratio = mean / theory
+            passed = abs(ratio - 1) <= TOLERANCE
+            ok &= passed
+            with_latency = simulate_1f1b(p, m, result["t_f"], result["t_b"], latency)
+            rows.append((p, m, mean, theory, ratio, passed, with_latency))
+            ideal_span = (m + p - 1) * 3 * t_forward
+            print(f"\np={p} m={m}: span {result['span'] * 1e3:.1f} ms (nominal (m+p-1) x 3 t_f = "
+                  f"{ideal_span * 1e3:.0f} ms); excess over (m+p-1) x measured busy per micro-batch: "
+                  f"{result['excess'] * 1e3:.2f} ms = {result['excess'] / m * 1e3:.2f} ms per micro-batch")
+            print(f"    measured event times (median): forward {result['t_f'] * 1e3:.2f} ms, backward "
+                  f"{result['t_b'] * 1e3:.2f} ms")
+            print("    transfer latency stage 0 <-> 1 (probe, mean of 12): "
+                  + ", ".join(f"{case} {value * 1e3:.2f} ms" for case, value in latency.items()))
+            print("    stage  idle fraction")
+            for s, value in enumerate(result["idle"]):
+                print(f"    {s:>5}  {value:.4f}")
+            print(f"    mean   {mean:.4f}   theory {theory:.4f}   measured / theory {ratio:.3f} "
+                  f"{bench.verdict(passed)}")
+            print(f"    1F1B simulated with the measured event times and latencies: {with_latency:.4f} "
+                  f"(measured / that {mean / with_latency:.3f})")
+    print("\nsummary (idle fraction; the verdict compares with the theory)")
+    print("    p   m   measured (mean)   theory   measured/theory   simulated with latency   measured/simulated")
+    for p, m, mean, theory, ratio, passed, with_latency in rows:
+        print(f"   {p:>2} {m:>3}   {mean:>15.4f}   {theory:.4f}   {ratio:>10.3f} {bench.verdict(passed)}   "
+              f"{with_latency:>22.4f}   {mean / with_latency:>18.3f}")
+    print(f"\noverall: {bench.verdict(ok)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
