@@ -15,9 +15,12 @@ How it counts, on every rank:
   group, so a collective issued some other way (a ``from torch.distributed import ...`` alias,
   DTensor, a C++ path) would still show up as a mismatch.
 
-The step is ``GPT2LMHeadModel(input_ids, labels=labels, gather_logits=False)`` then
-``loss.backward()``, in training mode (dropout on). A second step with ``gather_logits=True`` counts
-the logits all-gather that a user asks for when they want the full logits back.
+The step is ``GPT2LMHeadModel(input_ids, labels=labels)`` (a training call, which does not gather the
+logits) then ``loss.backward()``, in training mode (dropout on). A second step with
+``gather_logits=True`` counts the logits all-gather that a user asks for when they want the full
+logits back. Before anything else every model call compares its inputs across the tensor-parallel
+group (``oslo.parallel.agreement.check_same_inputs``): one all-gather of two int64 per rank, counted
+as "input check".
 
 Run: ``python benchmarks/comm_count.py`` (tp 2 and 4, 2 layers of gpt2-small width);
 options: ``--tp 2 4 --n-layer 2 --batch 2 --seq 64 --size small|medium``.
@@ -176,6 +179,8 @@ class C10dOpCounter(TorchDispatchMode):
 
 
 def _region(module: str, caller: str) -> str:
+    if "agreement.py" in caller:
+        return "input check"
     match = re.match(r"transformer\.h\.(\d+)(?:\.|$)", module)
     if match:
         return f"block {match.group(1)}"
@@ -195,7 +200,7 @@ def _step(model, input_ids, labels, counter: CommCounter, gather_logits: bool) -
     mode = C10dOpCounter()
     with mode:
         counter.phase = "forward"
-        out = model(input_ids, labels=labels, gather_logits=gather_logits)
+        out = model(input_ids, labels=labels, **({"gather_logits": True} if gather_logits else {}))
         forward_ops = sum(mode.ops.values())
         counter.phase = "backward"
         out.loss.backward()
@@ -214,7 +219,7 @@ def rank_main(rank: int, world_size: int, config, batch: int, seq: int) -> dict:
     counter.install()
     try:
         # Warm-up step (not recorded) so lazy initializations cannot pollute the count.
-        out = model(input_ids, labels=input_ids, gather_logits=False)
+        out = model(input_ids, labels=input_ids)
         out.loss.backward()
         runs = {}
         for gather_logits in (False, True):
@@ -279,7 +284,13 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
     loss_text = (f"loss: {len(loss)} calls, largest {largest} elements = {largest / tokens:.1f} x batch*seq "
                  "(target <= 3 calls, each <= 3 x batch*seq)")
     checks.append((loss_text, len(loss) <= 3 and largest <= 3 * tokens))
-    known = {"embedding", "loss", "lm head"} | {f"block {i}" for i in blocks}
+    check = table.get(("input check", "forward"), []) + table.get(("input check", "backward"), [])
+    check_ok = len(check) == 1 and check[0]["op"] == "all_gather" and check[0]["phase"] == "forward" \
+        and check[0]["bytes"] == 16
+    checks.append((f"input check: {len(check)} call(s), "
+                   + ", ".join(f"{r['phase']} {r['op']} {r['bytes']} bytes/rank" for r in check)
+                   + " (target 1 forward all_gather of 2 int64)", check_ok))
+    known = {"embedding", "loss", "lm head", "input check"} | {f"block {i}" for i in blocks}
     other = [r for (region, _), recs in table.items() if region not in known for r in recs]
     checks.append((f"anything else: {len(other)} calls (target 0)", not other))
     python_counts = {p: sum(1 for r in records if r["phase"] == p) for p in ("forward", "backward")}
@@ -288,14 +299,14 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
                    c10d == python_counts))
     checks.append(("every rank made the same calls", same))
 
-    claimed_fwd = 2 * config.n_layer + 1 + 3
+    claimed_fwd = 2 * config.n_layer + 1 + 3 + 1
     claimed_bwd = 2 * config.n_layer
     total_bytes = sum(r["bytes"] for r in records)
     print(f"   totals: forward {python_counts['forward']} calls, backward {python_counts['backward']} calls, "
           f"{total_bytes:,d} bytes contributed by this rank "
           f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
-    print(f"   ratio forward calls / issue's bound (2 x {config.n_layer} blocks + 1 embedding + 3 loss = "
-          f"{claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
+    print(f"   ratio forward calls / issue's bound (2 x {config.n_layer} blocks + 1 embedding + 3 loss, + 1 "
+          f"input check = {claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
     print(f"   ratio backward calls / issue's bound (2 x {config.n_layer} blocks = {claimed_bwd}): "
           f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
           f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
@@ -337,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = bench.gpt2_config(args.size, n_layer=args.n_layer, dropout=0.1)
     bench.header("comm_count: collectives per forward + backward of GPT2LMHeadModel "
-                 "(labels, gather_logits=False)")
+                 "(a training call with labels)")
     ok = True
     for tp in args.tp:
         runs = bench.launch(rank_main, tp, config, args.batch, args.seq)

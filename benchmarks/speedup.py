@@ -219,14 +219,15 @@ def main(argv: list[str] | None = None) -> int:
                     for label, runs in results[workload].items()}
         base_wall, base_cpu = measured["tp=1, 1 thread"]
         speedup = base_wall / measured["tp=2, 1 thread per rank"][0]
-        if workload in ("local", "train-default"):  # the loss-only paths; gathering 411 MB is not
+        if workload == "local":  # the forward itself; the target of issue 2
             passed = speedup >= SPEEDUP_TARGET
             ok &= passed
             print(f"     speed-up tp=2 (1 thread/rank) vs tp=1 (1 thread) = {speedup:.2f}x  "
                   f"target >= {SPEEDUP_TARGET}  [{bench.verdict(passed)}]")
         else:
-            print(f"     speed-up tp=2 (1 thread/rank) vs tp=1 (1 thread) = {speedup:.2f}x  (no target: "
-                  "assembling the full logits on every rank)")
+            why = ("the forward plus the vocabulary-parallel loss" if workload == "train-default"
+                   else "assembling the full logits on every rank")
+            print(f"     speed-up tp=2 (1 thread/rank) vs tp=1 (1 thread) = {speedup:.2f}x  (no target: {why})")
         two_threads = base_wall / measured["tp=1, 2 threads"][0]
         cpu_ratio = base_cpu / measured["tp=2, 1 thread per rank"][1]
         print(f"     speed-up tp=1 (2 threads) vs tp=1 (1 thread) = {two_threads:.2f}x")

@@ -440,7 +440,8 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
         """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
-        the same tokens.
+        the same tokens. The prompt and options must be the same on every rank of the model (checked
+        once per call, see :func:`~oslo.parallel.agreement.check_same_inputs`).
 
         Args:
             fused_no_repeat_ngram_blocking: Apply ``no_repeat_ngram_size`` with oslo's n-gram blocking
@@ -461,8 +462,14 @@ class OsloPreTrainedModel(PreTrainedModel):
             keep_logits = kwargs.get("output_logits", generation_config.output_logits)
             processors.append(FusedNoRepeatNGramLogitsProcessor(ngram_size, inplace=not keep_logits))
             kwargs.update(logits_processor=processors, no_repeat_ngram_size=0)  # 0: transformers' own is off
-        with self.parallel_context.rng.replicated():
-            return super().generate(*args, **kwargs)
+        context = self.parallel_context
+        with self._model_call() as outermost:
+            # The prompt and options are checked once; the steps' inputs follow from them on every rank
+            # alike (sampling draws from the replicated stream), so the steps skip the check.
+            if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
+                check_same_inputs(context, args, kwargs)
+            with context.rng.replicated():
+                return super().generate(*args, **kwargs)
 
     def fuse(self, modules: Iterable[type[nn.Module]] | None = None):
         """Switch modules to oslo's fused kernels (Triton on CUDA, the torch reference on CPU).

@@ -132,3 +132,17 @@ def test_timeout_must_be_positive():
         oslo.ParallelContext(timeout=0)
     with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of seconds"):
         oslo.ParallelContext(timeout="10m")
+
+
+def _generate_mismatch(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
+    prompt = torch.tensor([[5, 6, 7, 8 + rank]])  # a prompt that differs on rank 1
+    with pytest.raises(InputMismatchError, match="positional argument 0: tensor int64 of shape"):
+        model.generate(prompt, max_new_tokens=3, pad_token_id=0)
+    same = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, pad_token_id=0)
+    return same.tolist()
+
+
+def test_generate_checks_its_prompt_on_every_rank(lm_checkpoint):
+    first, second = run_distributed(_generate_mismatch, 2, lm_checkpoint, timeout=60)
+    assert first == second
