@@ -128,7 +128,10 @@ class CommCounter:
             # Collectives built from others (all_gather_object -> all_gather) count once, at the top.
             if self.phase is not None and self._depth == 0:
                 tensor = _input_of(name, args, kwargs)
-                module = self.module_stack[-1] if self.phase == "forward" else self.backward_module
+                if self.phase == "forward":  # the input check runs before the model's forward starts
+                    module = self.module_stack[-1] if self.module_stack else None
+                else:
+                    module = self.backward_module
                 group = kwargs.get("group")
                 is_tensor = isinstance(tensor, torch.Tensor)
                 self.records.append({
