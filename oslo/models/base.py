@@ -426,17 +426,23 @@ class OsloPreTrainedModel(PreTrainedModel):
             if outermost:
                 context.in_model_call = False
 
-    def __call__(self, *args, **kwargs):
+    @contextmanager
+    def _user_call(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """Around a call of the model (``__call__``, ``generate``): the outermost one first checks that
+        every rank of the tensor/pipeline-parallel group got the same inputs (the first communication
+        of the call; calls nested in it, such as the body's or generate()'s steps, are not checked),
+        and everything runs on the replicated stream, so replicated dropout and sampling stay in step
+        across tensor-parallel ranks whatever the user did with the global RNG."""
         context = self.parallel_context
         with self._model_call() as outermost:
-            # The outermost call of a model (not its body's) first checks that every rank of the
-            # tensor/pipeline-parallel group got the same inputs: the first communication of the call.
             if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
                 check_same_inputs(context, args, kwargs)
-            # Replicated dropout and anything else drawing from the default generator stays in step
-            # across tensor-parallel ranks, whatever the user did with the global RNG.
             with context.rng.replicated():
-                return super().__call__(*args, **kwargs)
+                yield
+
+    def __call__(self, *args, **kwargs):
+        with self._user_call(args, kwargs):
+            return super().__call__(*args, **kwargs)
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
         """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
@@ -462,14 +468,10 @@ class OsloPreTrainedModel(PreTrainedModel):
             keep_logits = kwargs.get("output_logits", generation_config.output_logits)
             processors.append(FusedNoRepeatNGramLogitsProcessor(ngram_size, inplace=not keep_logits))
             kwargs.update(logits_processor=processors, no_repeat_ngram_size=0)  # 0: transformers' own is off
-        context = self.parallel_context
-        with self._model_call() as outermost:
-            # The prompt and options are checked once; the steps' inputs follow from them on every rank
-            # alike (sampling draws from the replicated stream), so the steps skip the check.
-            if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
-                check_same_inputs(context, args, kwargs)
-            with context.rng.replicated():
-                return super().generate(*args, **kwargs)
+        # The prompt and options are checked once; the steps' inputs follow from them on every rank
+        # alike (sampling draws from the replicated stream), so the steps are not checked again.
+        with self._user_call(args, kwargs):
+            return super().generate(*args, **kwargs)
 
     def fuse(self, modules: Iterable[type[nn.Module]] | None = None):
         """Switch modules to oslo's fused kernels (Triton on CUDA, the torch reference on CPU).

@@ -28,6 +28,12 @@ def _batch(seed):
     return dict(input_ids=ids, labels=ids)
 
 
+def _model(path, world_size, tp):
+    return oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, micro_batch_size=2
+    ).train()
+
+
 def _step(model, scaler, optimizer, batch, pipelined):
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -39,9 +45,7 @@ def _step(model, scaler, optimizer, batch, pipelined):
 
 def _overflow_on_one_rank(rank, world_size, path, tp):
     pp = world_size // tp
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2
-    ).train()
+    model = _model(path, world_size, tp)
     optimizer = torch.optim.SGD(model.gpu_parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # the stock scaler, as the manual uses it
     before = full_params(model)
@@ -84,9 +88,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(lm_checkpoint, tp,
 
 def _bf16_step(rank, world_size, path, tp):
     pp = world_size // tp
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2
-    ).train()
+    model = _model(path, world_size, tp)
     optimizer = torch.optim.SGD(model.gpu_parameters(), lr=LR)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for micro_output in model(**_batch(2)) if pp > 1 else [model(**_batch(2))]:
