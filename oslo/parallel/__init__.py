@@ -1,6 +1,8 @@
 """Everything that talks to torch.distributed: context, collectives, parallel layers, loss, RNG."""
 
+from oslo.parallel.agreement import InputMismatchError, agree_on_nonfinite_gradients, check_same_inputs
 from oslo.parallel.clip import clip_grad_norm_
+from oslo.parallel.comm import PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
     ColumnParallelLinear,
@@ -34,4 +36,9 @@ __all__ = [
     "causal_lm_loss",
     "check_labels",
     "clip_grad_norm_",
+    "check_same_inputs",
+    "agree_on_nonfinite_gradients",
+    "InputMismatchError",
+    "PeerTimeoutError",
+    "RankFailedError",
 ]
