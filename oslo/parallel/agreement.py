@@ -97,15 +97,14 @@ def check_same_inputs(context: ParallelContext, args: tuple, kwargs: Mapping[str
     group = context.model_parallel_group
     if group_size(group) == 1:
         return
-    named = _inputs(args, kwargs)
-    texts, digests = [], []
-    for name, value in named:
+    texts, digests = [], []  # per input: its description; its values' digest (None for non-tensors)
+    for name, value in _inputs(args, kwargs):
         text, tensor = _describe(value)
         texts.append(f"{name}: {text}")
-        if tensor is not None:
-            digests.append(_content_hash(tensor).to(context.device) * (2 * len(texts) + 1))
+        digests.append(None if tensor is None else _content_hash(tensor).to(context.device))
     structure = zlib.crc32("\n".join(texts).encode())
-    values = torch.stack(digests).sum() if digests else torch.zeros((), dtype=torch.int64, device=context.device)
+    weighted = [digest * (2 * i + 3) for i, digest in enumerate(digests) if digest is not None]
+    values = torch.stack(weighted).sum() if weighted else torch.zeros((), dtype=torch.int64, device=context.device)
     mine = torch.stack([torch.tensor(structure, dtype=torch.int64, device=context.device), values])
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     with naming_timeouts(context, "comparing the inputs of a model call across the model-parallel group",
@@ -115,9 +114,8 @@ def check_same_inputs(context: ParallelContext, args: tuple, kwargs: Mapping[str
         return
 
     # They differ: find out which input, on which ranks (every rank takes this path).
-    per_input = [text if tensor is None else f"{text}, values digest {int(_content_hash(tensor))}"
-                 for (_, value), text in zip(named, texts, strict=True)
-                 for tensor in [_describe(value)[1]]]
+    per_input = [text if digest is None else f"{text}, values digest {int(digest)}"
+                 for text, digest in zip(texts, digests, strict=True)]
     described: list[list[str] | None] = [None] * group_size(group)
     with naming_timeouts(context, "describing inputs that differ across the model-parallel group"):
         dist.all_gather_object(described, per_input, group=group)

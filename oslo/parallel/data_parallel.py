@@ -26,12 +26,11 @@ def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataPar
     ddp = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
     if ddp is None:
         return None
-    ranks = dist.get_process_group_ranks(ddp.process_group)
-    expected = [context.get_data_parallel_src_rank() + i * context.tensor_parallel_size * context.pipeline_parallel_size
-                for i in range(context.data_parallel_size)]
-    if sorted(ranks) != expected:
+    ranks = sorted(dist.get_process_group_ranks(ddp.process_group))
+    expected = sorted(dist.get_process_group_ranks(context.data_parallel_group))
+    if ranks != expected:
         raise ValueError(
-            f"DistributedDataParallel averages gradients over ranks {sorted(ranks)}, but this rank's data-parallel "
+            f"DistributedDataParallel averages gradients over ranks {ranks}, but this rank's data-parallel "
             f"replicas are ranks {expected}: averaging over other ranks mixes shards of different layers. Wrap the "
             "model as DistributedDataParallel(model.gpu_modules(), "
             "process_group=model.mpu.get_data_parallel_group())."

@@ -193,3 +193,15 @@ def _logits_by_default(rank, world_size, path):
 
 def test_training_call_skips_the_logits_gather_and_says_so(checkpoints):
     run_distributed(_logits_by_default, 2, checkpoints["GPT2LMHeadModel"])
+
+
+def _ddp_over_the_world(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    wrong = DistributedDataParallel(model.gpu_modules())  # the default group: both tensor-parallel ranks
+    with pytest.raises(ValueError, match=r"over ranks \[0, 1\], but this rank's data-parallel replicas are ranks "
+                                         rf"\[{rank}\].*process_group=model.mpu.get_data_parallel_group"):
+        wrong(**global_batch("GPT2LMHeadModel"))
+
+
+def test_ddp_over_another_group_than_the_data_parallel_one_is_refused(checkpoints):
+    run_distributed(_ddp_over_the_world, 2, checkpoints["GPT2LMHeadModel"])
