@@ -10,18 +10,26 @@ Two formats:
   tensors each file holds. Loading it needs the same layout; each rank reads only its own file.
 
 Every weight operation goes through the :class:`~oslo.parallel.plan.ShardSpec` of the parameter.
+
+Files carry their identity: the split index records each file's ranks, size and SHA-256 (and each split
+safetensors header its ranks); a merged save records its files' sizes and SHA-256 in ``oslo_checkpoint.json``.
+Loading verifies them before any weight is used. Saving is staged beside the target directory and switched in
+atomically (see :class:`_Save`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +49,17 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+MANIFEST_NAME = "oslo_checkpoint.json"  # sizes and SHA-256 of a merged save's files
 _SPLIT_FILE_RE = re.compile(r"^(model|pytorch_model)_tp=\d+_pp=\d+\.(safetensors|bin)$")
 _MERGED_FILE_RE = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin|"
     r"model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json)$"
 )
 # Weight files a save replaces: a directory holds one checkpoint (split or merged) at a time.
-_OWNED_FILE_RE = re.compile(f"{_SPLIT_FILE_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$")
-_TMP_DIR_NAME = ".oslo-saving"
+_OWNED_FILE_RE = re.compile(
+    f"{_SPLIT_FILE_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$|^{re.escape(MANIFEST_NAME)}$"
+)
+_LEGACY_STAGING_NAME = ".oslo-saving"  # earlier oslo versions staged inside the target: never carried over
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -75,6 +86,7 @@ class Checkpoint:
     kind: str  # "split", "safetensors" or "bin"
     files: list[str]
     split_index: dict | None = None
+    manifest: dict | None = None  # oslo_checkpoint.json of a merged save
 
     @property
     def layout(self) -> tuple[int, int] | None:
@@ -87,13 +99,14 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
     """Find the weights in ``directory``: a split checkpoint if its index is there, else a merged one.
 
     Raises:
-        FileNotFoundError: The directory does not exist, holds no weights, or misses a file its index names.
+        FileNotFoundError: The directory does not exist (saying so when a save to it was interrupted),
+            holds no weights, or misses a file its index names.
     """
     if not os.path.isdir(directory):
         raise FileNotFoundError(
-            f"checkpoint directory {directory!r} does not exist. Pass the path of a directory holding "
-            "config.json and the weights (model.safetensors, pytorch_model.bin, or a split checkpoint "
-            "written by save_pretrained_with_parallel)."
+            f"checkpoint directory {directory!r} does not exist. {_interrupted_save(directory)}Pass the path of "
+            "a directory holding config.json and the weights (model.safetensors, pytorch_model.bin, or a split "
+            "checkpoint written by save_pretrained_with_parallel)."
         )
 
     def path(name: str) -> str:
@@ -106,19 +119,48 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
         _require_files(directory, files, SPLIT_INDEX_NAME)
         kind = "split"
         return Checkpoint(directory, kind, files, index)
+    manifest = None
+    if os.path.isfile(path(MANIFEST_NAME)):
+        try:
+            with open(path(MANIFEST_NAME)) as f:
+                manifest = json.load(f)
+            if not isinstance(manifest, dict) or not {"save_id", "files"} <= manifest.keys():
+                raise ValueError("no save_id and files")
+        except ValueError as exc:
+            raise OSError(
+                f"{path(MANIFEST_NAME)} is corrupt ({exc!r}): it should record the sizes and SHA-256 of the files "
+                "of the merged checkpoint oslo saved there. Delete it to load the weights unverified, or save again."
+            ) from exc
     for index_name, kind in ((SAFE_WEIGHTS_INDEX_NAME, "safetensors"), (WEIGHTS_INDEX_NAME, "bin")):
         if os.path.isfile(path(index_name)):
             with open(path(index_name)) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
             _require_files(directory, files, index_name)
-            return Checkpoint(directory, kind, files)
+            return Checkpoint(directory, kind, files, manifest=manifest)
     for name, kind in ((SAFE_WEIGHTS_NAME, "safetensors"), (WEIGHTS_NAME, "bin")):
         if os.path.isfile(path(name)):
-            return Checkpoint(directory, kind, [name])
+            return Checkpoint(directory, kind, [name], manifest=manifest)
     raise FileNotFoundError(
         f"no weights found in {directory!r}: expected {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, "
         f"{WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} or a split checkpoint ({SPLIT_INDEX_NAME})."
     )
+
+
+def _interrupted_save(directory: str) -> str:
+    """What the leftovers of an interrupted save beside ``directory`` hold ("" if there are none)."""
+    staging, aside = _save_paths(os.path.realpath(directory))[1:]
+    if os.path.isdir(aside):
+        return (
+            f"A save to it was interrupted while it replaced the checkpoint: the previous checkpoint is complete "
+            f"in {aside!r} and the new one in {staging!r}. Rename the one you want to {directory!r}, or save "
+            "again (the next save puts the previous checkpoint back first). "
+        )
+    if os.path.isdir(staging):
+        return (
+            f"A save to it was interrupted before it finished, so nothing was published ({staging!r} holds its "
+            "partial output, which the next save removes). "
+        )
+    return ""
 
 
 def _require_files(directory: str, files: list[str], index_name: str) -> None:
@@ -207,17 +249,134 @@ def _safe_open(path: str):
         ) from exc
 
 
+# What torch's weights-only unpickler says of a pickle that names a function or class to run (not garbage).
+_UNSAFE_PICKLE_RE = re.compile(
+    r"GLOBAL [A-Za-z_][\w.]* (was not an allowed global|whose module)|Can only create new object .*|"
+    r"Trying to call reduce for unrecognized function [^\n]*|Can only build Tensor[^\n]*"
+)
+
+
 def _torch_load(path: str) -> dict:
+    """A ``.bin`` state dict, loaded with ``weights_only=True``: memory-mapped when it is a zip archive (torch's
+    format since 1.6), read whole when it has the legacy format (``_use_new_zipfile_serialization=False``), which
+    cannot be mapped."""
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as exc:
+        found = _UNSAFE_PICKLE_RE.search(str(exc))
+        if found is None:  # the weights-only unpickler also stops at garbage (a truncated legacy file)
+            raise OSError(f"cannot read {path}: {exc}. It is probably truncated or corrupt.") from exc
         raise OSError(
-            f"refusing to load {path}: it holds pickled objects other than tensors, which could run code "
-            "(loaded with weights_only=True, nothing was executed). Convert it to safetensors from a "
-            "trusted environment."
+            f"{path} is refused: it would execute code. It holds pickled objects other than tensors "
+            f"({found.group(0)}); refusing to load it (weights_only=True: nothing was executed). Convert it to "
+            "safetensors in an environment that trusts it."
         ) from exc
-    except RuntimeError as exc:
-        raise OSError(f"cannot read {path}: {exc}. It is probably truncated or corrupt.") from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise OSError(f"cannot read {path}: {exc!r}. It is probably truncated or corrupt.") from exc
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise OSError(f"{path} is not a state dict (a dict of tensor names to tensors): {type(state).__name__}.")
+    return state
+
+
+def _file_digest(path: str, sync: bool = False) -> dict:
+    """``{"size", "sha256"}`` of a file; with ``sync``, its data is also flushed to disk (``fsync``)."""
+    sha = hashlib.sha256()
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while count := f.readinto(buffer):
+            sha.update(view[:count])
+        if sync:
+            os.fsync(f.fileno())
+        size = f.tell()
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+def _safetensors_metadata(path: str) -> dict:
+    """The ``__metadata__`` of a safetensors header ({} if unreadable: the full read reports that)."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length > 100 << 20:
+                return {}
+            metadata = json.loads(f.read(length)).get("__metadata__")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _verify_file(directory: str, name: str, records: dict[str, dict], recorded_in: str) -> None:
+    """Refuse ``name`` unless its size and SHA-256 are those ``records[name]`` (from ``recorded_in``) holds."""
+    record, path = records[name], os.path.join(directory, name)
+    size = os.path.getsize(path)
+    sha256 = None
+    if size == record["size"]:
+        sha256 = _file_digest(path)["sha256"]
+        if sha256 == record["sha256"]:
+            return
+    if any(other["size"] == size for other in records.values()):  # maybe another file of the checkpoint
+        sha256 = sha256 or _file_digest(path)["sha256"]
+        twins = [other for other, entry in records.items() if entry["sha256"] == sha256 and other != name]
+        if twins:
+            raise OSError(
+                f"{path} holds the content {recorded_in} records for {twins[0]}: the files were swapped or "
+                "renamed. Give each file its recorded name, or save the checkpoint again."
+            )
+    if size != record["size"]:
+        raise OSError(
+            f"{path} has {size} bytes but {recorded_in} records {record['size']}: the file is truncated or corrupt "
+            "(or was replaced). Save or copy the checkpoint again."
+        )
+    raise OSError(
+        f"{path} changed since it was saved: its SHA-256 differs from the one {recorded_in} records (same size), "
+        "so it is corrupt or another file. Save or copy the checkpoint again."
+    )
+
+
+def _verify_split_file(checkpoint: Checkpoint, name: str, tensor_parallel_rank: int, pipeline_parallel_rank: int):
+    """Check that this rank's split file is the one the index describes (indexes of version 1 record nothing)."""
+    records = checkpoint.split_index.get("digests")
+    if not records:
+        return
+    path = os.path.join(checkpoint.directory, name)
+    metadata = _safetensors_metadata(path) if name.endswith(".safetensors") else {}
+    if "oslo_tensor_parallel_rank" in metadata:
+        ranks = int(metadata["oslo_tensor_parallel_rank"]), int(metadata["oslo_pipeline_parallel_rank"])
+        if ranks != (tensor_parallel_rank, pipeline_parallel_rank):
+            raise OSError(
+                f"{path} holds the shard of tensor-parallel rank {ranks[0]}, pipeline-parallel rank {ranks[1]} (its "
+                f"header says so), not of tensor-parallel rank {tensor_parallel_rank}, pipeline-parallel rank "
+                f"{pipeline_parallel_rank}: the files were swapped or renamed. Rename each file after the ranks in "
+                f"its header ({split_file_name(*ranks, True)}), or save the checkpoint again."
+            )
+    _verify_file(checkpoint.directory, name, records, SPLIT_INDEX_NAME)
+
+
+def _verify_merged_files(checkpoint: Checkpoint, context: ParallelContext) -> None:
+    """Check the files of a merged oslo save against its manifest, each file on one rank (rank ``r`` hashes
+    every ``world_size``-th file from the ``r``-th). A manifest that no longer describes the weights (rewritten
+    by another program, e.g. transformers' ``save_pretrained``) is skipped with a warning."""
+    manifest = checkpoint.manifest
+    if manifest is None:
+        return
+    records = manifest["files"]
+    current = set(records) == set(checkpoint.files)
+    if current and checkpoint.kind == "safetensors":
+        current = any(
+            _safetensors_metadata(os.path.join(checkpoint.directory, name)).get("oslo_save_id") == manifest["save_id"]
+            for name in checkpoint.files
+        )
+    if not current:
+        if context.rank == 0:
+            logger.warning(
+                "%s does not describe the weights of %s (rewritten since oslo saved them?): they are not verified. "
+                "Delete it, or save the checkpoint with oslo again.", MANIFEST_NAME, checkpoint.directory,
+            )
+        return
+    for name in checkpoint.files[context.rank :: context.world_size]:
+        _verify_file(checkpoint.directory, name, records, MANIFEST_NAME)
 
 
 def _resolve_key(name: str, keys: set[str], prefix: str) -> str | None:
@@ -292,8 +451,10 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
     if checkpoint.kind == "split":
         own = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank,
                               checkpoint.files[0].endswith(".safetensors"))
+        _verify_split_file(checkpoint, own, context.tensor_parallel_rank, context.pipeline_parallel_rank)
         source = _TensorSource(checkpoint.directory, [own], "split")
     else:
+        _verify_merged_files(checkpoint, context)
         source = _TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
     keys = source.keys()
     prefix = getattr(model, "base_model_prefix", "")
@@ -362,52 +523,191 @@ def _check_shape(checkpoint, key, saved, expected, which: str = "") -> None:
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-@contextmanager
-def _staging_directory(context: ParallelContext, directory: str) -> Iterator[str]:
-    """Write into a staging folder inside ``directory``; publish only if every rank succeeded.
+#: Test hook: called as ``_publish_hook(step)`` at each step of a save, so tests can kill the process at every
+#: instant that matters. Steps: "prepare" and "write" (every rank, after the staging folder is made and after the
+#: rank's files are written), then on rank 0: "index" (index, manifest and config written), "link" (the target's
+#: other files linked in), "aside" (rename fallback only: the target moved aside), "swap" (the new checkpoint in
+#: place) and "cleanup" (the previous one removed).
+_publish_hook: Callable[[str], None] | None = None
 
-    Files are moved into place with ``os.replace`` after all ranks have finished writing, so a crash
-    during the (long) write leaves the previous checkpoint untouched. Stale weight files
-    (of an earlier layout or format) are removed after publishing.
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def _reached(step: str) -> None:
+    if _publish_hook is not None:
+        _publish_hook(step)
+
+
+def _save_paths(target: str) -> tuple[str, str, str]:
+    """(parent, staging folder, aside folder) of a save to the absolute path ``target``."""
+    parent, name = os.path.split(target)
+    return parent, os.path.join(parent, f".{name}.oslo-saving"), os.path.join(parent, f".{name}.oslo-old")
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). Raises ``OSError`` with
+    ``ENOSYS`` or ``EINVAL`` where the system or the file system does not support it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError, TypeError) as exc:
+        raise OSError(errno.ENOSYS, "renameat2 is not available") from exc
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), a, None, b)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # no hard links on this file system (or not allowed): copy
+        shutil.copy2(source, destination)
+
+
+def _carry_over(target: str, staging: str) -> None:
+    """Hard-link (or copy) what ``target`` holds besides checkpoint files into ``staging``: a tokenizer, the
+    user's subdirectories, a config the new save does not rewrite."""
+    shutil.copymode(target, staging)
+    for entry in os.scandir(target):
+        destination = os.path.join(staging, entry.name)
+        if entry.name == _LEGACY_STAGING_NAME or os.path.lexists(destination):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), destination)
+        elif entry.is_dir():
+            shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
+        elif not _OWNED_FILE_RE.match(entry.name):
+            _link_or_copy(entry.path, destination)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+
+
+class _Save:
+    """One save to ``directory``: staged beside it, published atomically by rank 0.
+
+    Every rank writes into ``<parent>/.<name>.oslo-saving``, and every step ends with an agreement of all ranks
+    (:func:`run_on_all_ranks`): a failure anywhere fails the save everywhere, and rank 0 removes the staging
+    folder, so the previous checkpoint stays as it was. Publishing, once every file is written and flushed to
+    disk: rank 0 hard-links (or copies) the target's other files (a tokenizer, subdirectories) into the staging
+    folder, exchanges the two directories in one ``renameat2(RENAME_EXCHANGE)``, and removes the staging path,
+    which then holds the previous checkpoint. Killed at any instant, the target holds the complete previous
+    checkpoint or the complete new one. Where the exchange is not supported (not Linux, or a file system without
+    it), the target is renamed to ``<parent>/.<name>.oslo-old`` and the staging folder into its place: killed
+    between the two renames, the target does not exist and loading it says where both copies are. The next save
+    removes the leftovers of an interrupted one (after putting a previous checkpoint left aside back in place).
+    Symbolic links to the target are resolved: the link keeps pointing at the new checkpoint.
     """
-    staging = os.path.join(directory, _TMP_DIR_NAME)
 
-    def prepare():
-        if context.rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
+    def __init__(self, context: ParallelContext, directory: str) -> None:
+        self.context = context
+        self.target = os.path.realpath(directory)
+        self.parent, self.staging, self.aside = _save_paths(self.target)
+        self.step(self._prepare, "preparing to save to")
+        _reached("prepare")
 
-    run_on_all_ranks(context, prepare, f"preparing {directory}")
-    body_error: list[BaseException] = []
-    try:
-        yield staging
-    except Exception as exc:  # noqa: BLE001 - the other ranks must learn about it
-        body_error.append(exc)
-
-    def publish():
-        if body_error:
-            raise body_error[0]
-
-    try:
-        run_on_all_ranks(context, publish, f"saving to {directory}")
-    except Exception:
-        if context.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-    def move():
-        if context.rank != 0:
+    def _prepare(self) -> None:
+        if os.path.lexists(self.target) and not os.path.isdir(self.target):  # checked on every rank
+            raise NotADirectoryError(
+                f"cannot save to {self.target!r}: it is a file, not a directory. Pass a directory path."
+            )
+        if self.context.rank != 0:
             return
-        written = set(os.listdir(staging))
-        for name in sorted(written, key=lambda n: n.endswith(".json")):  # weights first, indexes last
-            os.replace(os.path.join(staging, name), os.path.join(directory, name))
-        os.rmdir(staging)
-        for name in os.listdir(directory):
-            if name not in written and _OWNED_FILE_RE.match(name):
-                os.remove(os.path.join(directory, name))
+        if not os.path.lexists(self.target) and os.path.isdir(self.aside):
+            os.rename(self.aside, self.target)  # a save killed between its two renames: the previous checkpoint
+        _remove(self.aside)
+        _remove(self.staging)
+        os.makedirs(self.parent, exist_ok=True)
+        try:
+            os.mkdir(self.staging)
+        except PermissionError as exc:
+            raise PermissionError(
+                f"cannot save to {self.target!r}: a save is staged beside its target, in {self.parent!r}, which is "
+                "not writable. Make it writable, or save to a directory whose parent is."
+            ) from exc
 
-    run_on_all_ranks(context, move, f"publishing {directory}")
+    def path(self, name: str) -> str:
+        return os.path.join(self.staging, name)
+
+    def step(self, step: Callable[[], object], what: str):
+        """Run ``step`` on every rank; if it fails anywhere, remove the staging folder and raise everywhere."""
+        try:
+            return run_on_all_ranks(self.context, step, f"{what} {self.target}")
+        except Exception:
+            if self.context.rank == 0:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+
+    def gather(self, local: dict) -> dict:
+        """The union of every rank's ``local`` dict (after a step that succeeded everywhere)."""
+        if self.context.world_size == 1:
+            return dict(local)
+        parts: list = [None] * self.context.world_size
+        dist.all_gather_object(parts, local, group=self.context.world_group)
+        return {key: value for part in parts for key, value in part.items()}
+
+    def publish(self) -> None:
+        try:
+            cwd = os.getcwd()
+        except OSError:  # the working directory was deleted
+            cwd = ""
+        self.step(self._publish, "publishing")
+        if cwd == self.target or cwd.startswith(self.target + os.sep):
+            os.chdir(cwd)  # the process was inside the previous checkpoint: move to the same path in the new one
+
+    def _publish(self) -> None:
+        if self.context.rank != 0:
+            return
+        for entry in os.scandir(self.staging):  # weight files are flushed by their writers already
+            if entry.is_file():
+                _fsync(entry.path)
+        if not os.path.isdir(self.target):
+            _fsync(self.staging)
+            _reached("link")
+            os.rename(self.staging, self.target)
+            _fsync(self.parent)
+            _reached("swap")
+            _reached("cleanup")
+            return
+        _carry_over(self.target, self.staging)
+        _fsync(self.staging)
+        _reached("link")
+        try:
+            _exchange(self.staging, self.target)
+            previous = self.staging
+        except OSError as exc:
+            if exc.errno not in _NO_EXCHANGE:
+                raise
+            os.rename(self.target, self.aside)
+            _reached("aside")
+            try:
+                os.rename(self.staging, self.target)
+            except BaseException:
+                os.rename(self.aside, self.target)
+                raise
+            previous = self.aside
+        _fsync(self.parent)
+        _reached("swap")
+        shutil.rmtree(previous)
+        _reached("cleanup")
 
 
 def _saved_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ShardSpec | None]]:
@@ -457,10 +757,11 @@ def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
 
 
 def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool,
-           save_function: Callable[[dict, str], None] | None = None) -> None:
+           save_function: Callable[[dict, str], None] | None = None, metadata: dict[str, str] | None = None) -> None:
+    """Write a weight file; ``metadata`` goes into a safetensors header (``.bin`` files have none)."""
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     if safe_serialization:
-        save_file(tensors, path, metadata={"format": "pt"})
+        save_file(tensors, path, metadata={"format": "pt", **(metadata or {})})
     else:
         (save_function or torch.save)(tensors, path)
 
@@ -475,35 +776,52 @@ def _save_config(model, directory: str) -> None:
 
 def save_split(model: nn.Module, directory: str, safe_serialization: bool = True, save_config: bool = True,
                save_function: Callable[[dict, str], None] | None = None) -> None:
-    """Each model-parallel rank (of data-parallel replica 0) writes its local tensors to its own file."""
+    """Each model-parallel rank (of data-parallel replica 0) writes its local tensors to its own file, with its
+    ranks in the file's header; the index records every file's ranks, size and SHA-256."""
     context: ParallelContext = model.parallel_context
     entries = list(_saved_parameters(model))
     everything = _pipeline_entries(model, entries)
-    with _staging_directory(context, directory) as staging:
-        if context.data_parallel_rank == 0:
-            name = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank, safe_serialization)
-            _write({n: t for n, t, _ in entries}, os.path.join(staging, name), safe_serialization, save_function)
-        if context.rank == 0:
-            files = {
-                split_file_name(t, p, safe_serialization): [e.name for e in everything if e.stage == p]
-                for p in range(context.pipeline_parallel_size)
-                for t in range(context.tensor_parallel_size)
-            }
-            tied = _tied_keys(model)  # ties within rank 0's stage, and those across stages:
-            tied.update({e.name: model._tied_weights_keys[e.name] for e in everything if e.tied_copy})
-            index = {
-                "format": "oslo-split",
-                "version": 1,
-                "tensor_parallel_size": context.tensor_parallel_size,
-                "pipeline_parallel_size": context.pipeline_parallel_size,
-                "tensors": {e.name: {"shape": list(e.shape), "dtype": e.dtype, "split": e.split} for e in everything},
-                "files": files,
-                "tied": tied,
-            }
-            with open(os.path.join(staging, SPLIT_INDEX_NAME), "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-            if save_config:
-                _save_config(model, staging)
+    tp, pp = context.tensor_parallel_rank, context.pipeline_parallel_rank
+    save = _Save(context, directory)
+
+    def write() -> dict:
+        if context.data_parallel_rank != 0:
+            return {}
+        name = split_file_name(tp, pp, safe_serialization)
+        _write({n: t for n, t, _ in entries}, save.path(name), safe_serialization, save_function,
+               {"oslo_tensor_parallel_rank": str(tp), "oslo_pipeline_parallel_rank": str(pp)})
+        digest = {"tensor_parallel_rank": tp, "pipeline_parallel_rank": pp, **_file_digest(save.path(name), True)}
+        _reached("write")
+        return {name: digest}
+
+    digests = save.gather(save.step(write, "writing"))
+
+    def index() -> None:
+        if context.rank != 0:
+            return
+        files = {
+            split_file_name(t, p, safe_serialization): [e.name for e in everything if e.stage == p]
+            for p in range(context.pipeline_parallel_size)
+            for t in range(context.tensor_parallel_size)
+        }
+        tied = _tied_keys(model)  # ties within rank 0's stage, and those across stages:
+        tied.update({e.name: model._tied_weights_keys[e.name] for e in everything if e.tied_copy})
+        _write_json(save.path(SPLIT_INDEX_NAME), {
+            "format": "oslo-split",
+            "version": 2,
+            "tensor_parallel_size": context.tensor_parallel_size,
+            "pipeline_parallel_size": context.pipeline_parallel_size,
+            "tensors": {e.name: {"shape": list(e.shape), "dtype": e.dtype, "split": e.split} for e in everything},
+            "files": files,
+            "digests": digests,
+            "tied": tied,
+        })
+        if save_config:
+            _save_config(model, save.staging)
+        _reached("index")
+
+    save.step(index, "indexing")
+    save.publish()
 
 
 def _tied_keys(model: nn.Module) -> dict[str, str]:
@@ -530,7 +848,8 @@ def save_merged(
     Tensor-parallel shards are gathered on their stage's first tensor-parallel rank, which sends the
     full tensor on to rank 0 when the stage is not the first. Gathering streams one shard file at a
     time, so rank 0 holds at most one shard's worth of tensors. Weights tied across stages are saved
-    once, as transformers does.
+    once, as transformers does. ``oslo_checkpoint.json`` records the files' sizes and SHA-256 (hashed
+    by all ranks, a file each) and each safetensors header the save's id.
     """
     context: ParallelContext = model.parallel_context
     saved = list(_saved_parameters(model))
@@ -546,39 +865,64 @@ def save_merged(
     )
     first_tp = context.tensor_parallel_global_rank(0)
     writer = context.pipeline_parallel_global_rank(0) if context.tensor_parallel_rank == 0 else None
-    with _staging_directory(context, directory) as staging:
-        if context.data_parallel_rank == 0:
-            weight_map, total = {}, 0
-            for file_name, shard in zip(names, shards, strict=True):
-                tensors = {}
-                for entry in shard:
-                    full = None
-                    if entry.stage == context.pipeline_parallel_rank:
-                        tensor, spec = local[entry.name]
-                        if spec is None:
-                            full = tensor
-                        else:
-                            parts = gather_to_first(tensor, context.tensor_parallel_group, first_tp)
-                            full = spec.merge(parts) if parts is not None else None
-                        if entry.stage != 0 and context.tensor_parallel_rank == 0:
-                            dist.send(full.contiguous(), writer, group=context.pipeline_parallel_group)
-                    elif context.rank == 0:
-                        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
-                        dist.recv(full, context.pipeline_parallel_global_rank(entry.stage),
-                                  group=context.pipeline_parallel_group)
-                    if context.rank == 0:
-                        tensors[entry.name] = full
-                        weight_map[entry.name] = file_name
-                        total += entry.nbytes
+    save = _Save(context, directory)
+    save_id = uuid.uuid4().hex  # rank 0's is the one written
+
+    def write() -> None:
+        if context.data_parallel_rank != 0:
+            return
+        weight_map, total, failure = {}, 0, None
+        for file_name, shard in zip(names, shards, strict=True):
+            tensors = {}
+            for entry in shard:
+                full = None
+                if entry.stage == context.pipeline_parallel_rank:
+                    tensor, spec = local[entry.name]
+                    if spec is None:
+                        full = tensor
+                    else:
+                        parts = gather_to_first(tensor, context.tensor_parallel_group, first_tp)
+                        full = spec.merge(parts) if parts is not None else None
+                    if entry.stage != 0 and context.tensor_parallel_rank == 0:
+                        dist.send(full.contiguous(), writer, group=context.pipeline_parallel_group)
+                elif context.rank == 0:
+                    full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
+                    dist.recv(full, context.pipeline_parallel_global_rank(entry.stage),
+                              group=context.pipeline_parallel_group)
                 if context.rank == 0:
-                    _write(tensors, os.path.join(staging, file_name), safe_serialization, save_function)
-            if context.rank == 0 and len(names) > 1:
-                index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
-                with open(os.path.join(staging, index_name), "w") as f:
-                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
-                              sort_keys=True)
-        if context.rank == 0 and save_config:
-            _save_config(model, staging)
+                    tensors[entry.name] = full
+                    weight_map[entry.name] = file_name
+                    total += entry.nbytes
+            if context.rank == 0 and failure is None:
+                try:  # after a failure, rank 0 still takes part in the gathers (the others would wait), writing nothing
+                    _write(tensors, save.path(file_name), safe_serialization, save_function, {"oslo_save_id": save_id})
+                except Exception as exc:  # noqa: BLE001 - raised once the gathers are over
+                    failure = exc
+        if failure is not None:
+            raise failure
+        if context.rank == 0 and len(names) > 1:
+            index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+            _write_json(save.path(index_name), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _reached("write")
+
+    save.step(write, "writing")
+    # Each rank hashes (and flushes) every world_size-th file.
+    digests = save.gather(save.step(
+        lambda: {name: _file_digest(save.path(name), True) for name in names[context.rank :: context.world_size]},
+        "hashing",
+    ))
+
+    def finish() -> None:
+        if context.rank != 0:
+            return
+        _write_json(save.path(MANIFEST_NAME),
+                    {"format": "oslo-merged", "version": 1, "save_id": save_id, "files": digests})
+        if save_config:
+            _save_config(model, save.staging)
+        _reached("index")
+
+    save.step(finish, "indexing")
+    save.publish()
 
 
 def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
