@@ -48,6 +48,28 @@ def _launcher_world_size() -> int | None:
     return None
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0-3, 8]``: ranks, runs of consecutive ones shortened."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "[" + ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) + "]"
+
+
+def _differing(name: str, values: list, first_rank: int = 0) -> str:
+    """``"tensor_parallel_size=2 on ranks [0], tensor_parallel_size=1 on ranks [1]"`` when ``values`` (one per
+    rank, from ``first_rank`` on) are not all equal, else ``""``."""
+    ranks_of: dict = {}
+    for rank, value in enumerate(values, start=first_rank):
+        ranks_of.setdefault(value, []).append(rank)
+    if len(ranks_of) == 1:
+        return ""
+    return ", ".join(f"{name}={value} on ranks {_ranks_text(ranks)}" for value, ranks in ranks_of.items())
+
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -131,6 +153,19 @@ class ParallelContext:
                 f"and torch.distributed is not initialized). {_LAUNCH_HINT.format(n=model_parallel)}, "
                 "or use tensor_parallel_size=1 and pipeline_parallel_size=1 in a plain process."
             )
+
+        if world_size > 1 and not dist.is_initialized():
+            _init_distributed(backend, timeout)
+        self.world_size = world_size
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.timeout = timeout
+        self.device = self._default_device()
+        # oslo's own group over every rank (not WORLD): agreement messages of this model never meet
+        # collectives that the user, or another model, runs on the default group. It is the same on every
+        # rank whatever they asked for, so it comes first; the layout's groups only once the ranks agree.
+        self.world_group = self._new_groups([list(range(world_size))])
+        if world_size > 1:  # ranks asking for other layouts would create other groups and wait forever
+            self._agree_on_layout(tp, pp, seed)
         if world_size % model_parallel != 0:
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {model_parallel} must divide the "
@@ -138,18 +173,11 @@ class ParallelContext:
                 f"{world_size}, or launch a multiple of {model_parallel} processes."
             )
 
-        if world_size > 1 and not dist.is_initialized():
-            _init_distributed(backend, timeout)
-
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
         self.data_parallel_size = world_size // model_parallel
-        self.world_size = world_size
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.timeout = timeout
         self.in_model_call = False  # set while a model of this context runs (its inputs are checked once)
 
-        self.device = self._default_device()
         # Grid (data, pipeline, tensor), tensor fastest: rank = (d * pp + p) * tp + t.
         dp = self.data_parallel_size
 
@@ -164,6 +192,7 @@ class ParallelContext:
         self._pp_ranks = [rank_of(d, i, t) for i in range(pp)]
         self._dp_ranks = [rank_of(i, p, t) for i in range(dp)]
         self._mp_ranks = [rank_of(d, 0, 0) + i for i in range(pp * tp)]
+        self._embedding_ranks = [rank_of(d, 0, t), rank_of(d, pp - 1, t)]
         self.tensor_parallel_group = self._new_groups(
             [[rank_of(i, j, k) for k in range(tp)] for i in range(dp) for j in range(pp)])
         self.pipeline_parallel_group = self._new_groups(
@@ -176,9 +205,6 @@ class ParallelContext:
         # their gradients over this group.
         self.embedding_group = self._new_groups(
             [[rank_of(i, 0, k), rank_of(i, pp - 1, k)] for i in range(dp) for k in range(tp)]) if pp > 1 else None
-        # oslo's own group over every rank (not WORLD): agreement messages of this model never meet
-        # collectives that the user, or another model, runs on the default group.
-        self.world_group = self._new_groups([list(range(world_size))])
 
         if seed is None:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
@@ -201,12 +227,82 @@ class ParallelContext:
                 mine = group
         return mine
 
+    def _agree_on_layout(self, tp: int, pp: int, seed: int | None) -> None:
+        """Check that every rank asked for the same layout, with one all-gather of five int64 per rank
+        over the world group, before any group of the layout exists: the sizes, the timeout, whether a
+        seed was given, and the seed (the same within each model-parallel group, whose ranks build one
+        model from it). Ranks that disagree would create different groups, or run different collectives,
+        and wait for each other.
+
+        Raises:
+            ValueError: on every rank, naming each value that differs and the ranks that passed it.
+        """
+        from oslo.parallel.comm import naming_timeouts  # (comm imports this module)
+
+        timeout_ms = round(self.timeout.total_seconds() * 1000)
+        seed_bits = 0 if seed is None else (seed + 2**63) % 2**64 - 2**63  # any int64-wrapped seed
+        mine = torch.tensor([tp, pp, timeout_ms, seed is not None, seed_bits], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with naming_timeouts(self, "comparing tensor_parallel_size, pipeline_parallel_size, seed and timeout "
+                             "across ranks before building the model", "every rank must build the model",
+                             self.world_group):
+            dist.all_gather(gathered, mine, group=self.world_group)
+        rows = torch.stack(gathered).tolist()
+        seeds = [row[4] if row[3] else None for row in rows]
+        problems = [
+            _differing("tensor_parallel_size", [row[0] for row in rows]),
+            _differing("pipeline_parallel_size", [row[1] for row in rows]),
+            _differing("timeout", [timedelta(milliseconds=row[2]) for row in rows]),
+            _differing("seed", seeds) if len({row[3] for row in rows}) > 1 else "",
+        ]
+        if not any(problems):  # one layout: each model-parallel group must share one seed
+            size = tp * pp
+            problems = [_differing("seed", seeds[start : start + size], start) for start in range(0, len(rows), size)]
+        problems = [problem for problem in problems if problem]
+        if problems:
+            raise ValueError(
+                "the ranks were given different parallel settings: " + "; ".join(problems) + ". Pass the same "
+                "tensor_parallel_size, pipeline_parallel_size and timeout on every rank, and seed on every rank "
+                "or on none (the same seed on the ranks of one tensor/pipeline-parallel group); ranks that "
+                "build different layouts would wait for each other forever."
+            )
+
     def _broadcast_seed(self, seed: int) -> int:
         if not dist.is_initialized() or self.world_size == 1:
             return seed
         value = torch.tensor([seed], dtype=torch.int64, device=self.device)
         dist.broadcast(value, src=0, group=self.world_group)
         return int(value.item())
+
+    def describe_rank(self, global_rank: int) -> str:
+        """``"global rank 3 (pipeline stage 1, tensor-parallel rank 1)"``: where a rank sits in the grid."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        data, rest = divmod(global_rank, tp * pp)
+        stage, tensor = divmod(rest, tp)
+        where = [f"{name} {index}" for name, index, size in (
+            ("pipeline stage", stage, pp), ("tensor-parallel rank", tensor, tp),
+            ("data-parallel replica", data, self.data_parallel_size)) if size > 1]
+        return f"global rank {global_rank}" + (f" ({', '.join(where)})" if where else "")
+
+    def describe_group(self, group) -> str:
+        """``"the tensor-parallel group (global ranks [0-1])"``: which of this context's groups ``group`` is
+        (``None`` is the default group), and its members."""
+        if group is None or group is dist.GroupMember.WORLD:
+            name, ranks = "default", list(range(self.world_size))
+        else:
+            known = [
+                ("tensor_parallel_group", "tensor-parallel", "_tp_ranks"),
+                ("pipeline_parallel_group", "pipeline-parallel", "_pp_ranks"),
+                ("data_parallel_group", "data-parallel", "_dp_ranks"),
+                ("model_parallel_group", "model-parallel", "_mp_ranks"),
+                ("embedding_group", "first-and-last-stage", "_embedding_ranks"),
+            ]
+            name, ranks = next(((name, getattr(self, ranks)) for attribute, name, ranks in known
+                                if getattr(self, attribute, None) is group), ("process", None))
+            if group is getattr(self, "world_group", None):
+                name, ranks = "oslo world", list(range(self.world_size))
+            ranks = ranks if ranks is not None else dist.get_process_group_ranks(group)
+        return f"the {name} group (global ranks {_ranks_text(ranks)})"
 
     def __repr__(self) -> str:
         return (

@@ -60,7 +60,8 @@ def average_over_replicas(grads: list[torch.Tensor], context: ParallelContext) -
         return
     for bucket in _gradient_buckets(grads):
         flat = torch.cat([grad.reshape(-1) for grad in bucket])
-        with naming_timeouts(context, "averaging gradients over the data-parallel replicas"):
+        with naming_timeouts(context, "averaging gradients over the data-parallel replicas",
+                             group=context.data_parallel_group):
             dist.all_reduce(flat, group=context.data_parallel_group)
         flat.div_(context.data_parallel_size)
         for grad, value in zip(bucket, flat.split([grad.numel() for grad in bucket]), strict=True):
@@ -73,7 +74,8 @@ def sum_over_replicas(counts: dict[str, torch.Tensor], context: ParallelContext)
         return counts
     names = sorted(counts)
     flat = torch.cat([counts[name].reshape(-1).to(context.device, torch.int64) for name in names])
-    with naming_timeouts(context, "summing the loss's item counts over the data-parallel replicas"):
+    with naming_timeouts(context, "summing the loss's item counts over the data-parallel replicas",
+                         group=context.data_parallel_group):
         dist.all_reduce(flat, group=context.data_parallel_group)
     parts = flat.split([counts[name].numel() for name in names])
     return {name: part.view_as(counts[name]) for name, part in zip(names, parts, strict=True)}
