@@ -190,3 +190,128 @@ def _class_labels_out_of_range(rank, world_size, path, head):
 def test_class_labels_out_of_range_fail_every_stage(lm_checkpoint, head):
     """Only the last stage computes the loss; every stage must raise, not wait for it."""
     run_distributed(_class_labels_out_of_range, 2, lm_checkpoint, head)
+
+
+def _ids_outside_vocab(rank, world_size, path, tp, bad):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
+    )
+    ids = torch.tensor([[5, 6, bad, 8]])
+    message = rf"input_ids hold {bad} at index \(0, 2\), outside the vocabulary \[0, 1001\).*resize_token_embeddings"
+    with pytest.raises(IndexError, match=message):
+        model.train()(input_ids=ids, labels=ids.clamp(0, 1000))  # a training step
+    model.eval()
+    with torch.no_grad(), pytest.raises(IndexError, match=message):
+        model(input_ids=ids)
+    with pytest.raises(IndexError, match=message):
+        model.generate(ids, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(IndexError, match=r"token_type_ids hold 1001 at index \(0, 1\).*token embedding"):
+        model(input_ids=ids.clamp(0, 1000), token_type_ids=torch.tensor([[0, 1001, 0, 0]]))
+    with torch.no_grad():  # no rank was left inside a collective: the model goes on
+        return model(input_ids=ids.clamp(0, 1000)).logits
+
+
+@pytest.mark.parametrize("tp, bad", [(2, 1001), (2, 50000), (2, -1), (1, 1001)])
+def test_token_ids_outside_the_vocabulary_fail_every_rank(lm_checkpoint, tp, bad):
+    """A vocabulary-split embedding would embed such an id as zeros (tp >= 2), and a pipeline's later
+    stages would wait for the first (tp=1, pp=2): every rank raises transformers' IndexError instead."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    with pytest.raises(IndexError):
+        reference(input_ids=torch.tensor([[5, 6, bad, 8]]))
+    logits = run_distributed(_ids_outside_vocab, 2, lm_checkpoint, tp, bad, timeout=120)
+    expected = reference(input_ids=torch.tensor([[5, 6, bad, 8]]).clamp(0, 1000)).logits
+    for rank_logits in logits:
+        torch.testing.assert_close(rank_logits, expected)
+
+
+def test_token_ids_outside_the_vocabulary_single_process(lm_checkpoint):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint)
+    for bad in (1001, -1):
+        with pytest.raises(IndexError, match=rf"input_ids hold {bad} at index \(0, 1\)"):
+            model(torch.tensor([[5, bad]]))
+
+
+def _ids_differ(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
+    ids = torch.tensor([[5, 6, 7, 1001 if rank == 1 else 8]])
+    with pytest.raises(IndexError) as info:
+        model(input_ids=ids)
+    model(input_ids=torch.tensor([[5, 6, 7, 8]]))  # still in step
+    return str(info.value)
+
+
+def test_an_id_outside_the_vocabulary_on_one_rank_fails_every_rank(lm_checkpoint):
+    """Rank 0's ids are fine, rank 1's are not: rank 0 must not go on alone into the forward pass."""
+    mine, theirs = run_distributed(_ids_differ, 2, lm_checkpoint, timeout=60)
+    assert theirs.startswith("input_ids hold 1001 at index (0, 3)"), theirs
+    assert mine.startswith("global rank 1 (tensor-parallel rank 1): input_ids hold 1001"), mine
+    assert "found its own inputs fine: the ranks were given different inputs" in mine, mine
+
+
+def _positions_outside(rank, world_size, path, tp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
+    ).eval()
+    ids = torch.randint(3, 1001, (2, 60), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(IndexError, match=r"position_ids hold 64 at index \(0, 59\), outside \[0, 64\)"):
+        model(input_ids=ids, position_ids=torch.arange(5, 65)[None])
+    with pytest.raises(IndexError, match=r"reaches position 64 \(65 tokens after 0 cached\).*max_length=64"):
+        model(input_ids=torch.cat([ids, ids[:, :5]], dim=1))
+    # generate() runs past n_positions at its fifth new token (transformers raises there too)
+    with pytest.raises(IndexError, match=r"position_ids hold 64 .*max_new_tokens"):
+        model.generate(ids, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+    return model.generate(ids, max_new_tokens=4, min_new_tokens=4, pad_token_id=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_positions_outside_the_embedding_fail_every_rank(lm_checkpoint, tp):
+    """n_positions is 64. With pipelines only the first stage embeds positions: the others must not
+    wait for it."""
+    first, second = run_distributed(_positions_outside, 2, lm_checkpoint, tp, timeout=120)
+    assert first.shape == (2, 64) and torch.equal(first, second)
+
+
+def _disagree(rank, world_size, settings, fragments):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="the ranks were given different parallel settings: ") as info:
+        oslo.GPT2LMHeadModel.from_config_with_parallel(tiny_gpt2_config(), **settings[rank])
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ([dict(tensor_parallel_size=2), {}], "tensor_parallel_size=2 on ranks [0], tensor_parallel_size=1 on ranks [1]"),
+    ([{}, dict(pipeline_parallel_size=2)],
+     "pipeline_parallel_size=1 on ranks [0], pipeline_parallel_size=2 on ranks [1]"),
+    ([dict(seed=3), {}], "seed=3 on ranks [0], seed=None on ranks [1]"),
+    ([dict(tensor_parallel_size=2, seed=3), dict(tensor_parallel_size=2, seed=4)],
+     "seed=3 on ranks [0], seed=4 on ranks [1]"),
+    ([dict(timeout=20), dict(timeout=25)], "timeout=0:00:20 on ranks [0], timeout=0:00:25 on ranks [1]"),
+])
+def test_ranks_that_disagree_on_the_layout_fail_every_rank(settings, fragment):
+    """Ranks asking for different layouts would create different groups and wait for each other: one
+    all-gather before any group exists tells every rank, at once, who asked for what."""
+    settings = [dict(dict(timeout=20), **ours) for ours in settings]
+    elapsed = run_distributed(_disagree, 2, settings, [fragment, "Pass the same tensor_parallel_size"], timeout=40)
+    assert max(elapsed) < 10, elapsed  # not the 20 s timeout
+
+
+def _layout_cost(rank, world_size, seeds):
+    gathered = []
+    all_gather = torch.distributed.all_gather
+
+    def counting(outputs, tensor, *args, **kwargs):  # the real collective, counted
+        gathered.append((tensor.dtype, tuple(tensor.shape)))
+        return all_gather(outputs, tensor, *args, **kwargs)
+
+    torch.distributed.all_gather = counting  # this forked rank's module only
+    oslo.parallel.ParallelContext(tensor_parallel_size=1, seed=seeds[rank])
+    return gathered
+
+
+def test_the_layout_check_is_one_small_all_gather():
+    """Data-parallel replicas may take different seeds (only a model-parallel group shares one)."""
+    assert run_distributed(_layout_cost, 2, [1, 2], timeout=40) == [[(torch.int64, (5,))]] * 2

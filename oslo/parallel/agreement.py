@@ -6,6 +6,10 @@
   would train on a silent mix, different shapes would end in a collective mismatch deep inside a
   layer. :func:`check_same_inputs` compares a fingerprint of every input across the model-parallel
   group before the model communicates, and raises on every rank, naming the input and the ranks.
+* **Ids inside the embeddings.** A vocabulary-split embedding embeds an id no rank holds (``-1``,
+  ``vocab_size``) as a zero vector where transformers' embedding raises ``IndexError``. :func:`embedding_index_error`
+  finds such token ids and positions; the outermost call hands its verdict to :func:`check_same_inputs`,
+  whose one all-gather carries it, so every rank raises, even the ones given other (in-range) ids.
 * **Non-finite gradients.** A gradient scaler skips the optimizer step when a gradient overflowed.
   Each rank sees only its shards and its stage, so one rank may find an overflow that the others do
   not, skip alone, and let copies of replicated weights (and the stages) drift apart.
@@ -15,8 +19,10 @@
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from collections.abc import Iterable, Mapping
+from functools import cache
 from typing import Any
 
 import torch
@@ -26,7 +32,7 @@ from oslo.parallel.comm import naming_timeouts
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.mappings import group_size
 
-__all__ = ["InputMismatchError", "agree_on_nonfinite_gradients", "check_same_inputs"]
+__all__ = ["InputMismatchError", "agree_on_nonfinite_gradients", "check_same_inputs", "embedding_index_error"]
 
 _BLOCK = 1 << 16
 _weight_blocks: dict[tuple[str, int], torch.Tensor] = {}
@@ -86,16 +92,24 @@ def _inputs(args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return named + sorted(kwargs.items())
 
 
-def check_same_inputs(context: ParallelContext, args: tuple, kwargs: Mapping[str, Any]) -> None:
+def check_same_inputs(
+    context: ParallelContext, args: tuple, kwargs: Mapping[str, Any], error: Exception | None = None
+) -> None:
     """Raise :class:`InputMismatchError` on every rank of the model-parallel group unless all of them
     got the same ``args`` and ``kwargs`` (shapes, dtypes, values and options).
 
-    One all-gather of two int64 per rank when they agree (a digest of the structure and one of the
-    values); a second, describing every input, only when they do not. Call it on every rank of the
-    group before any other communication of the model.
+    ``error`` is what this rank found wrong with its inputs (e.g. :func:`embedding_index_error`): if any
+    rank has one, every rank raises it instead (this rank's own, or one of the same type naming the rank
+    that found it), so that no rank goes on alone into a collective.
+
+    One all-gather of three int64 per rank when they agree (a digest of the structure, one of the
+    values, the error flag); a second, describing the inputs or the error, only when they do not. Call
+    it on every rank of the group before any other communication of the model.
     """
     group = context.model_parallel_group
     if group_size(group) == 1:
+        if error is not None:
+            raise error
         return
     texts, digests = [], []  # per input: its description; its values' digest (None for non-tensors)
     for name, value in _inputs(args, kwargs):
@@ -105,11 +119,15 @@ def check_same_inputs(context: ParallelContext, args: tuple, kwargs: Mapping[str
     structure = zlib.crc32("\n".join(texts).encode())
     weighted = [digest * (2 * i + 3) for i, digest in enumerate(digests) if digest is not None]
     values = torch.stack(weighted).sum() if weighted else torch.zeros((), dtype=torch.int64, device=context.device)
-    mine = torch.stack([torch.tensor(structure, dtype=torch.int64, device=context.device), values])
+    header = torch.tensor([structure, int(error is not None)], dtype=torch.int64, device=context.device)
+    mine = torch.cat([header, values.reshape(1)])
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     with naming_timeouts(context, "comparing the inputs of a model call across the model-parallel group",
-                         "call the model on every rank of its tensor- and pipeline-parallel group"):
+                         "call the model on every rank of its tensor- and pipeline-parallel group", group):
         dist.all_gather(gathered, mine, group=group)
+    failed = [index for index, g in enumerate(gathered) if g[1]]
+    if failed:
+        _raise_on_every_rank(context, error, failed)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
 
@@ -117,9 +135,111 @@ def check_same_inputs(context: ParallelContext, args: tuple, kwargs: Mapping[str
     per_input = [text if digest is None else f"{text}, values digest {int(digest)}"
                  for text, digest in zip(texts, digests, strict=True)]
     described: list[list[str] | None] = [None] * group_size(group)
-    with naming_timeouts(context, "describing inputs that differ across the model-parallel group"):
+    with naming_timeouts(context, "describing inputs that differ across the model-parallel group", group=group):
         dist.all_gather_object(described, per_input, group=group)
     raise InputMismatchError(_mismatch_message(context, described))
+
+
+def _raise_on_every_rank(context: ParallelContext, error: Exception | None, failed: list[int]) -> None:
+    """Raise ``error`` here, or, on a rank without one, the first failing rank's error under its name
+    (``failed``: the group indices of the ranks that found one, the same list on every rank)."""
+    group = context.model_parallel_group
+    if len(failed) < group_size(group):  # some ranks found nothing: they need the message
+        found = (type(error), str(error)) if error is not None else None
+        errors: list[tuple[type, str] | None] = [None] * group_size(group)
+        with naming_timeouts(context, "telling the model-parallel group about an error in the inputs",
+                             group=group):
+            dist.all_gather_object(errors, found, group=group)
+        if error is None:
+            kind, message = errors[failed[0]]
+            raise kind(
+                f"{_rank_name(context, failed[0])}: {message} (this rank, "
+                f"{_rank_name(context, dist.get_rank(group))}, found its own inputs fine: the ranks were given "
+                "different inputs, and every rank of a model-parallel group must get the same batch)"
+            )
+    raise error
+
+
+@cache
+def _parameter_names(forward) -> tuple[str, ...]:
+    return tuple(inspect.signature(forward).parameters)[1:]  # without self
+
+
+def _out_of_range(values: Any, low: int, high: int) -> tuple[int, tuple[int, ...]] | None:
+    """The first value of an integer tensor outside ``[low, high)`` and its index, or ``None``."""
+    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex() \
+            or values.dtype == torch.bool or values.numel() == 0:
+        return None
+    smallest, largest = torch.stack(torch.aminmax(values)).tolist()
+    if smallest >= low and largest < high:
+        return None
+    index = tuple(((values < low) | (values >= high)).nonzero()[0].tolist())
+    return int(values[index]), index
+
+
+def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                          nested: bool = False) -> IndexError | None:
+    """The ``IndexError`` that transformers' GPT2 embeddings raise for this call of ``model``
+    (``model(*args, **kwargs)`` or ``model.generate(*args, **kwargs)``), with the value, the range and
+    the fix; ``None`` when every id is in range. Cheap: a min and a max per id tensor.
+
+    ``input_ids`` (``inputs`` of generate) and ``token_type_ids`` (which GPT2 embeds with the token
+    embedding too) must lie in ``[0, vocab_size)``, ``position_ids`` in ``[0, max_position_embeddings)``.
+    Without ``position_ids`` the input's length after the cached positions must fit as well: counted
+    as the forward pass counts it (``nested``: a call inside a model call, e.g. a generate() step), or,
+    for an outermost call, which may be ``generate()`` (it numbers a padded prompt's positions by its
+    attention mask), from the attention mask when one is given: this never refuses a valid call.
+    """
+    config = model.config
+    names = _parameter_names(type(model).forward)
+    named = {**dict(zip(names, args, strict=False)), **kwargs}
+    vocab_size, positions = config.vocab_size, getattr(config, "max_position_embeddings", None)
+    for name in ("input_ids", "inputs", "token_type_ids"):
+        found = _out_of_range(named.get(name), 0, vocab_size)
+        if found is not None:
+            value, index = found
+            what = "token types" if name == "token_type_ids" else "tokens"
+            return IndexError(
+                f"{name} hold {value} at index {index}, outside the vocabulary [0, {vocab_size}) of this model "
+                f"(vocab_size={vocab_size}; GPT2 embeds its {what} with the token embedding): pass ids in "
+                f"[0, {vocab_size}). Check that the tokenizer matches the model (or build the model with "
+                "resize_token_embeddings=len(tokenizer))."
+            )
+    if positions is None:
+        return None
+    position_ids = named.get("position_ids")
+    if isinstance(position_ids, torch.Tensor):
+        found = _out_of_range(position_ids, 0, positions)
+        if found is not None:
+            value, index = found
+            return IndexError(
+                f"position_ids hold {value} at index {index}, outside [0, {positions}) "
+                f"(max_position_embeddings={positions}): the model embeds {positions} positions. Pass "
+                f"position_ids in [0, {positions}): at most {positions} tokens, prompt and new tokens of "
+                "generate() included (max_new_tokens)."
+            )
+        return None
+    ids = next((named.get(name) for name in ("input_ids", "inputs", "inputs_embeds")
+                if isinstance(named.get(name), torch.Tensor)), None)
+    if ids is None:
+        return None
+    length = ids.shape[-2] if ids.is_floating_point() else ids.shape[-1]  # embeddings: (..., T, C)
+    past_key_values = named.get("past_key_values")
+    past = past_key_values.get_seq_length() if hasattr(past_key_values, "get_seq_length") else 0
+    mask = named.get("attention_mask")
+    if not nested and isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.numel():
+        needed = int(mask.sum(-1).max())  # the mask covers the cached positions too
+        counted = f"a row of its attention mask holds {needed} tokens"
+    else:
+        needed = past + length
+        counted = f"{length} tokens after {past} cached"
+    if needed <= positions:
+        return None
+    return IndexError(
+        f"the input reaches position {needed - 1} ({counted}), outside [0, {positions}) "
+        f"(max_position_embeddings={positions}): the model embeds {positions} positions. Truncate the input to "
+        f"at most {positions} tokens in all, e.g. tokenizer(..., truncation=True, max_length={positions})."
+    )
 
 
 def _rank_name(context: ParallelContext, index: int) -> str:
@@ -175,7 +295,8 @@ def agree_on_nonfinite_gradients(
         total = torch.nn.utils.get_total_norm(gradients, norm_type=float("inf"))
         found.fill_(float(not bool(torch.isfinite(total))))
     if group_size(context.model_parallel_group) > 1:
-        with naming_timeouts(context, "agreeing on non-finite gradients at the end of a backward pass"):
+        with naming_timeouts(context, "agreeing on non-finite gradients at the end of a backward pass",
+                             group=context.model_parallel_group):
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=context.model_parallel_group)
     if not bool(found):
         return False

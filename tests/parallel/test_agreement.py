@@ -146,3 +146,24 @@ def _generate_mismatch(rank, world_size, path):
 def test_generate_checks_its_prompt_on_every_rank(lm_checkpoint):
     first, second = run_distributed(_generate_mismatch, 2, lm_checkpoint, timeout=60)
     assert first == second
+
+
+def _errors_carried(rank, world_size):
+    """An error one rank found in its inputs is raised on every rank, by the one all-gather."""
+    context = oslo.ParallelContext(tensor_parallel_size=world_size)
+    x = torch.arange(6)
+    raised = []
+    for failing in ({1}, {0, 1}):
+        error = IndexError(f"bad ids on rank {rank}") if rank in failing else None
+        with pytest.raises(IndexError) as info:
+            check_same_inputs(context, (x,), {}, error)
+        raised.append(str(info.value))
+    check_same_inputs(context, (x,), {})  # the ranks are still in step
+    return raised
+
+
+def test_an_input_error_of_one_rank_is_raised_on_every_rank():
+    (alone0, both0), (alone1, both1) = run_distributed(_errors_carried, 2, timeout=60)
+    assert alone1 == "bad ids on rank 1" and both0 == "bad ids on rank 0" and both1 == "bad ids on rank 1"
+    assert alone0.startswith("global rank 1 (tensor-parallel rank 1): bad ids on rank 1 (this rank, global rank 0"), \
+        alone0
