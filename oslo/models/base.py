@@ -20,16 +20,18 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
-from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs
+from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs, embedding_index_error
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
+from oslo.parallel.failure import call_watch
 from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
     PipelineStep,
     StageLink,
     TimelineEvent,
+    close_open_step,
     pipeline_pass,
     pipeline_schedule,
     split_micro_batches,
@@ -334,6 +336,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             output = output_class(**values)
             return output if return_dict else output.to_tuple()
 
+        close_open_step(context)  # a step left half-way ends on every stage before this call communicates
         # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
         per_layer = [
             name for name in ("hidden_states", "attentions")
@@ -392,7 +395,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                     timeline=self.pipeline_timeline,
                 )
 
-            return PipelineStep(steps())
+            return PipelineStep(steps(), context)
 
         # One pass without gradients. Each stage caches its own layers' keys and values.
         cache = past_key_values
@@ -432,13 +435,29 @@ class OsloPreTrainedModel(PreTrainedModel):
         every rank of the tensor/pipeline-parallel group got the same inputs (the first communication
         of the call; calls nested in it, such as the body's or generate()'s steps, are not checked),
         and everything runs on the replicated stream, so replicated dropout and sampling stay in step
-        across tensor-parallel ranks whatever the user did with the global RNG."""
+        across tensor-parallel ranks whatever the user did with the global RNG.
+
+        Token ids and positions outside the embeddings raise transformers' ``IndexError`` on every rank
+        (a vocabulary-split embedding would embed them as zeros): the outermost call hands the verdict
+        to the input check, whose all-gather carries it, so ranks given other ids raise too; a nested
+        call (generate()'s steps), whose inputs every rank shares, raises before it communicates."""
         context = self.parallel_context
         with self._model_call() as outermost:
+            watch = call_watch(context) if outermost else None
+            if watch is not None:  # refuses the call if an earlier one left the ranks out of step
+                watch.begin_call()
+            error = embedding_index_error(self, args, kwargs, nested=not outermost)
             if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
-                check_same_inputs(context, args, kwargs)
-            with context.rng.replicated():
-                yield
+                check_same_inputs(context, args, kwargs, error)
+            elif error is not None:
+                raise error
+            try:
+                with context.rng.replicated():
+                    yield
+            except BaseException as exc:
+                if watch is not None:  # a failure past the input check: see oslo.parallel.failure
+                    watch.failed(exc)
+                raise
 
     def __call__(self, *args, **kwargs):
         with self._user_call(args, kwargs):
@@ -842,8 +861,11 @@ class OsloPreTrainedModel(PreTrainedModel):
         contents). Merged: a plain Hugging Face checkpoint that ``transformers`` loads as is (sharded by
         ``max_shard_size``; ``safe_serialization=False`` writes ``pytorch_model.bin``).
 
-        Files are written to a staging folder and moved into place only when every rank has
-        finished, so an interrupted save leaves the previous checkpoint intact.
+        The checkpoint is written to a staging directory beside ``save_directory`` and, once every rank
+        has finished, swapped in with one atomic rename (other files of ``save_directory`` are carried
+        over), so a save killed at any instant leaves the complete old checkpoint or the complete new
+        one. The files' sizes and SHA-256 digests are recorded (split index; ``oslo_checkpoint.json``
+        beside a merged one) and checked when oslo loads them.
 
         Args:
             save_directory: Target directory (created if needed).

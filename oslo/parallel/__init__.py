@@ -4,6 +4,7 @@ from oslo.parallel.agreement import InputMismatchError, agree_on_nonfinite_gradi
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.failure import ModelUnusableError
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -17,6 +18,7 @@ from oslo.parallel.mappings import (
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
+from oslo.parallel.pipeline import PipelineAbortedError
 from oslo.parallel.plan import ShardSpec
 from oslo.parallel.random import ParallelRNG
 
@@ -41,4 +43,6 @@ __all__ = [
     "InputMismatchError",
     "PeerTimeoutError",
     "RankFailedError",
+    "ModelUnusableError",
+    "PipelineAbortedError",
 ]

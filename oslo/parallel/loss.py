@@ -13,7 +13,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from oslo.parallel import failure
 from oslo.parallel.mappings import group_size
+
+
+def _graph_is_kept() -> bool:
+    """Whether the running backward pass keeps the graph (``retain_graph=True``, ``create_graph=True``),
+    so that its saved tensors are used again. Torch's own compiled backward asks the same; should the
+    query ever go away, assume the graph is kept (a copy: correct, one logits-sized tensor more)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -28,7 +37,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits[:, valid_columns:] = float("-inf")
         row_max = logits.max(dim=-1).values
         if group_size(group) > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            failure.wait(dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, async_op=True), group,
+                         "taking the logits' maximum over the tensor-parallel group")
         shifted = logits - row_max.unsqueeze(-1)
 
         ignored = target == ignore_index
@@ -42,7 +52,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if group_size(group) > 1:
             # One all-reduce for both per-token reductions.
             both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=group)
+            failure.wait(dist.all_reduce(both, group=group, async_op=True), group,
+                         "summing the loss terms over the tensor-parallel group")
             target_logit, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 
@@ -53,7 +64,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax
+        # The gradient is written over the saved softmax (no second logits-sized tensor), unless the
+        # graph is kept for another backward pass (retain_graph / create_graph): that one needs it intact.
+        grad = softmax.clone() if _graph_is_kept() else softmax
         rows = torch.arange(grad.size(0), device=grad.device)
         grad[rows, local_target] -= (~outside).to(grad.dtype)
         grad.mul_((grad_loss.masked_fill(ignored, 0.0)).unsqueeze(-1))

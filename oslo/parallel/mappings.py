@@ -21,8 +21,10 @@ def group_rank(group) -> int:
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    from oslo.parallel import failure  # (failure imports this module)
+
     tensor = tensor.contiguous()
-    dist.all_reduce(tensor, group=group)
+    failure.wait(dist.all_reduce(tensor, group=group, async_op=True), group, "summing over the tensor-parallel group")
     return tensor
 
 
@@ -33,8 +35,11 @@ def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     tensor = tensor.contiguous()
+    from oslo.parallel import failure
+
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-    dist.all_gather(parts, tensor, group=group)
+    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group,
+                 "gathering over the tensor-parallel group")
     return torch.cat(parts, dim=dim)
 
 

@@ -28,8 +28,10 @@ same tensor- and data-parallel rank in the neighbouring stages.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -37,12 +39,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from oslo.parallel import failure
+from oslo.parallel.comm import PeerLostError, naming_timeouts
 from oslo.parallel.context import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PipelineAbortedError",
     "PipelineStep",
     "TimelineEvent",
+    "close_open_step",
     "StageLayers",
     "StageLink",
     "partition_layers",
@@ -58,6 +65,8 @@ _TRAILER = 32  # bytes after a packed tensor: int64 code, int64 length, 2 x floa
 _OK = 0
 _ABORT = -1  # code: the sender failed, a message follows instead of a tensor
 _NONE = -2  # code: no tensor (an output field that is None)
+# How a stage ended a step (see StageLink.settle): finished, failed, its loop left, stopped by a neighbour.
+STEP_OK, STEP_FAILED, STEP_ABANDONED, STEP_STOPPED = 0, 1, 2, 3
 
 
 def partition_layers(
@@ -159,6 +168,11 @@ def split_micro_batches(inputs: dict[str, Any], micro_batch_size: int) -> list[d
     if len(batch_sizes) != 1:
         raise ValueError(f"inputs disagree on the batch size (dim 0): {sizes}; pass tensors of one batch.")
     batch_size = batch_sizes.pop()
+    if batch_size == 0:
+        raise ValueError(
+            f"the batch is empty (dim 0 of {sorted(sizes)} is 0): a pipelined call needs at least one row per "
+            "micro-batch. Skip empty batches before calling the model (on every rank alike)."
+        )
     if micro_batch_size < 1 or batch_size % micro_batch_size != 0:
         raise ValueError(
             f"batch size {batch_size} is not a multiple of micro_batch_size={micro_batch_size}: pipeline "
@@ -197,9 +211,14 @@ class StageLink:
         self.next = (
             context.pipeline_parallel_global_rank(stage + 1) if stage < context.pipeline_parallel_size - 1 else None
         )
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pp_ranks = [context.pipeline_parallel_global_rank(i) for i in range(context.pipeline_parallel_size)]
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # (send, its buffer, its peer)
         # (direction, peer) -> (dtype, shape) of the tensors that link carries since its header
         self._shapes: dict[tuple[str, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # What went to and came from each neighbour, message by message: a step that ends early on some
+        # stage receives (and drops) what its neighbours sent and it never took, see settle().
+        self.sent: dict[int, list[int]] = {peer: [] for peer in (self.prev, self.next) if peer is not None}
+        self.received: dict[int, int] = {peer: 0 for peer in (self.prev, self.next) if peer is not None}
 
     @staticmethod
     def _header(tensor: torch.Tensor | None, code: int = 0, length: int = 0) -> torch.Tensor:
@@ -238,7 +257,15 @@ class StageLink:
         return torch.cat([payload, trailer.view(torch.uint8)])
 
     def _isend(self, part: torch.Tensor, peer: int) -> None:
-        self._pending.append((dist.isend(part, peer), part))
+        self._pending.append((dist.isend(part, peer), part, peer))
+        self.sent[peer].append(part.numel() * part.element_size())
+
+    def _recv(self, buffer: torch.Tensor, peer: int) -> None:
+        # A blocking receive: gloo closes the connection when a timed wait on a receive expires, so it
+        # cannot poll for failures as collectives do; a failed neighbour sends an abort instead.
+        with naming_timeouts(self.context, "receiving from the neighbouring pipeline stage", peer=peer):
+            dist.recv(buffer, peer)
+        self.received[peer] += 1
 
     def send(self, tensor: torch.Tensor, peer: int, extra: torch.Tensor | None = None) -> None:
         """Send ``tensor`` to global rank ``peer`` without waiting for it to arrive; ``extra`` (at most
@@ -257,10 +284,8 @@ class StageLink:
         self._isend(self._packed(tensor, tensor.numel() * tensor.element_size(), _OK, extra=extra), peer)
 
     def send_abort(self, peer: int, message: str) -> None:
-        """Tell ``peer``, whose next receive from this rank is still to come, that the step failed here.
-
-        Waits for this message only: earlier sends may never be received now.
-        """
+        """Tell ``peer`` that the step failed here, in place of what it would receive next from this rank
+        (if it waits for something; otherwise :meth:`settle` drops it). Does not wait."""
         encoded = torch.tensor(list(message.encode()), dtype=torch.uint8)
         key = ("send", peer)
         if key not in self._shapes:
@@ -268,13 +293,12 @@ class StageLink:
         else:
             dtype, shape = self._shapes[key]
             first = self._packed(None, math.prod(shape) * dtype.itemsize, _ABORT, encoded.numel())
-        parts = [self._device_tensor(part) for part in (first, encoded)]
-        for work in [dist.isend(part, peer) for part in parts]:
-            work.wait()
+        for part in (first, encoded):
+            self._isend(self._device_tensor(part), peer)
 
     def _raise_abort(self, peer: int, length: int) -> None:
         message = self._device_tensor(torch.empty(length, dtype=torch.uint8))
-        dist.recv(message, peer)
+        self._recv(message, peer)
         raise PipelineAbortedError(bytes(message.tolist()).decode())
 
     def recv(self, peer: int, with_extra: bool = False):
@@ -287,7 +311,7 @@ class StageLink:
         key = ("recv", peer)
         if key not in self._shapes:
             header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
-            dist.recv(header, peer)
+            self._recv(header, peer)
             header = header.tolist()
             if header[0] == _ABORT:
                 self._raise_abort(peer, header[-1])
@@ -295,7 +319,7 @@ class StageLink:
         dtype, shape = self._shapes[key]
         nbytes = math.prod(shape) * dtype.itemsize
         packed = self._device_tensor(torch.empty(nbytes + _TRAILER, dtype=torch.uint8))
-        dist.recv(packed, peer)
+        self._recv(packed, peer)
         trailer = packed[nbytes:].clone().view(torch.float64)  # a copy: the offset may not be 8-aligned
         code, length = trailer[:2].view(torch.int64).tolist()
         if code == _ABORT:
@@ -333,21 +357,68 @@ class StageLink:
             header = self._device_tensor(header)
         else:
             header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
-        dist.broadcast(header, source, group=group)
+        with naming_timeouts(context, f"receiving pipeline stage {stage}'s outputs", group=group):
+            dist.broadcast(header, source, group=group)
         values = header.tolist()
         if values[0] == _NONE:
             return None
         if not is_source:
             dtype, shape = self._described(values)
             tensor = torch.empty(shape, dtype=dtype, device=context.device)
-        dist.broadcast(tensor, source, group=group)
+        with naming_timeouts(context, f"receiving pipeline stage {stage}'s outputs", group=group):
+            dist.broadcast(tensor, source, group=group)
         return tensor
 
     def wait_all(self) -> None:
         """Wait until every send of this step has been received."""
-        for work, _ in self._pending:
-            work.wait()
+        for work, _, peer in self._pending:
+            with naming_timeouts(self.context, "sending to the neighbouring pipeline stage", peer=peer):
+                work.wait()
         self._pending.clear()
+
+    def settle(self, status: int, message: str = "") -> list[tuple[int, int, str]]:
+        """End a step (or a pass) on every stage of the pipeline alike, however it ended here.
+
+        ``status`` is :data:`STEP_OK`, or how this stage stopped early (:data:`STEP_FAILED`,
+        :data:`STEP_ABANDONED`) with ``message`` saying why. A stage that stops early first tells its
+        neighbours (they may be waiting for it), then every stage joins one small all-gather of the
+        statuses and of how many messages went each way. When all finished, that is all (one all-gather
+        per step). Otherwise every stage also learns the others' messages, receives and drops what its
+        neighbours sent it and it never took, and waits for its own sends: the links are empty again,
+        and the next step starts clean.
+
+        Returns:
+            ``(stage, status, message)`` of every stage that did not finish (empty when all did).
+        """
+        context = self.context
+        if status != STEP_OK:
+            for peer in (self.prev, self.next):
+                if peer is not None:
+                    self.send_abort(peer, message)
+        counts = [len(self.sent.get(self.prev, ())), len(self.sent.get(self.next, ())),
+                  self.received.get(self.prev, 0), self.received.get(self.next, 0)]
+        mine = torch.tensor([status, *counts], dtype=torch.int64, device=context.device)
+        stages = [torch.empty_like(mine) for _ in range(context.pipeline_parallel_size)]
+        with naming_timeouts(context, "ending a pipeline step", "every stage must run the same steps",
+                             context.pipeline_parallel_group):
+            dist.all_gather(stages, mine, group=context.pipeline_parallel_group)
+        table = [row.tolist() for row in stages]
+        complete = all(
+            table[s][2] == table[s + 1][3] and table[s + 1][1] == table[s][4]  # s -> s+1 all taken, and back
+            for s in range(len(table) - 1)
+        )
+        if complete and all(row[0] == STEP_OK for row in table):
+            self.wait_all()
+            return []
+        details: list = [None] * context.pipeline_parallel_size
+        with naming_timeouts(context, "ending a failed pipeline step", group=context.pipeline_parallel_group):
+            dist.all_gather_object(details, (message, self.sent), group=context.pipeline_parallel_group)
+        for peer, taken in self.received.items():
+            stage = self._pp_ranks.index(peer)
+            for nbytes in details[stage][1].get(context.rank, [])[taken:]:
+                self._recv(self._device_tensor(torch.empty(nbytes, dtype=torch.uint8)), peer)
+        self.wait_all()
+        return [(stage, row[0], details[stage][0]) for stage, row in enumerate(table) if row[0] != STEP_OK]
 
 
 class _ReceivedGradient(torch.autograd.Function):
@@ -388,8 +459,10 @@ class PipelineStep(Iterator):
     or ``[0]`` raises an error saying so.
     """
 
-    def __init__(self, steps: Iterator[Any]) -> None:
+    def __init__(self, steps: Iterator[Any], context: ParallelContext | None = None) -> None:
         self._steps = steps
+        if context is not None:
+            context._open_pipeline_step = weakref.ref(self)
 
     def __iter__(self) -> PipelineStep:
         return self
@@ -421,10 +494,29 @@ class PipelineStep(Iterator):
         raise TypeError(self._not_an_output("'PipelineStep' object is not subscriptable"))
 
 
-def _abort_towards_first(link: StageLink, message: str) -> None:
-    """Pass a failure on to the previous stage, which is (or will be) waiting for a gradient from us."""
-    if link.prev is not None:
-        link.send_abort(link.prev, message)
+def close_open_step(context: ParallelContext) -> None:
+    """Close the training step of ``context``'s model that is still open (its loop left half-way while a
+    reference to it is kept), so that it ends on every stage before the next call communicates."""
+    reference = context.__dict__.pop("_open_pipeline_step", None)
+    step = reference() if reference is not None else None
+    if step is not None:
+        step.close()
+
+
+def _stage_failures(context: ParallelContext, failures: list[tuple[int, int, str]]) -> PipelineAbortedError:
+    """The error a stage raises when other stages did not finish the step (or pass)."""
+    described = []
+    for stage, status, message in failures:
+        if status == STEP_STOPPED:  # passing on another stage's failure
+            continue
+        rank = context.pipeline_parallel_global_rank(stage)
+        what = "failed" if status == STEP_FAILED else "left the step"
+        described.append(f"pipeline stage {stage} (global rank {rank}) {what}: {message}")
+    return failure.mark_settled(PipelineAbortedError(
+        "; ".join(described) + ". Every stage stopped this step; the links between stages are clear, so the "
+        "model can go on with the next batch (the gradients hold the micro-batches backpropagated so far: "
+        "call optimizer.zero_grad() to drop them)."
+    ))
 
 
 def pipeline_schedule(
@@ -437,6 +529,12 @@ def pipeline_schedule(
     timeline: list[TimelineEvent] | None = None,
 ) -> Iterator[Any]:
     """The 1F1B training schedule of one batch, as a generator of micro-batch outputs.
+
+    A step that stops early on some stage — an exception on that stage (caught by the user or not), a
+    micro-batch not backpropagated, a loop left with ``break`` (the generator closed) — ends on every
+    stage through :meth:`StageLink.settle`: the others raise :class:`PipelineAbortedError` naming the
+    stage, the links are emptied, and the next step runs normally. A stage that left the loop itself
+    raises nothing (it asked to stop); ``after_step`` runs only for a complete step.
 
     Args:
         context: The model's parallel context.
@@ -464,6 +562,7 @@ def pipeline_schedule(
     received: dict[int, torch.Tensor | None] = {}
     results: dict[int, Any] = {}
     scaled = False
+    done = 0  # micro-batches backpropagated
 
     def forward(i: int) -> None:
         inputs = None
@@ -478,43 +577,71 @@ def pipeline_schedule(
             timeline.append(TimelineEvent(i, "forward", start, time.perf_counter()))
         received[i], results[i] = inputs, result
 
-    for i in range(warmup):
-        forward(i)
-    for i in range(num_micro_batches):
-        if i + warmup < num_micro_batches:
-            forward(i + warmup)
-        inputs, result = received.pop(i), results.pop(i)
-        seeds: list[torch.Tensor] = []
-        if last:
-            loss = last_stage_loss(result)
-            loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
-            loss_value = loss.detach()
-            start = time.perf_counter()
-            yield micro_output(result, loss)
-        else:
-            try:
-                gradient, extra = link.recv(link.next, with_extra=True)
-                loss_value, seed = extra.to(torch.float32).unbind()
-            except PipelineAbortedError as error:
-                _abort_towards_first(link, str(error))
-                raise
-            loss = _ReceivedGradient.apply(result, gradient, loss_value, seed, seeds)
-            start = time.perf_counter()
-            yield micro_output(None, loss)
-        if timeline is not None:
-            timeline.append(TimelineEvent(i, "backward", start, time.perf_counter()))
-        if not seeds:
-            message = (
-                f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
-                "micro_output.loss.backward() on every output of the pipeline before taking the next one "
-                "(all stages must run the same loop)."
-            )
-            _abort_towards_first(link, message)
-            raise RuntimeError(message)
-        scaled = scaled or not bool((seeds[0] == 1).all())
+    def finish_backward() -> None:
+        nonlocal done
+        done += 1
         if not first:
             link.send(inputs.grad, link.prev, extra=torch.stack([loss_value, seeds[0].to(loss_value.dtype)]))
-    link.wait_all()
+
+    i, seeds = 0, []
+    try:
+        for i in range(warmup):
+            forward(i)
+        for i in range(num_micro_batches):
+            if i + warmup < num_micro_batches:
+                forward(i + warmup)
+            inputs, result = received.pop(i), results.pop(i)
+            seeds: list[torch.Tensor] = []
+            if last:
+                loss = last_stage_loss(result)
+                loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
+                loss_value = loss.detach()
+                start = time.perf_counter()
+                yield micro_output(result, loss)
+            else:
+                gradient, extra = link.recv(link.next, with_extra=True)
+                loss_value, seed = extra.to(torch.float32).unbind()
+                loss = _ReceivedGradient.apply(result, gradient, loss_value, seed, seeds)
+                start = time.perf_counter()
+                yield micro_output(None, loss)
+            if timeline is not None:
+                timeline.append(TimelineEvent(i, "backward", start, time.perf_counter()))
+            if not seeds:
+                raise RuntimeError(
+                    f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
+                    "micro_output.loss.backward() on every output of the pipeline before taking the next one "
+                    "(all stages must run the same loop)."
+                )
+            finish_backward()
+            scaled = scaled or not bool((seeds[0] == 1).all())
+    except GeneratorExit:  # the loop was left (break, or an exception in the user's loop body)
+        if seeds and done == i:  # the micro-batch in hand was backpropagated: its gradient goes on
+            finish_backward()
+        received.clear()
+        results.clear()
+        link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of "
+                                    f"{num_micro_batches} micro-batches")
+        logger.warning(
+            "pipeline stage %d: the training step was left after %d of %d micro-batches; the other stages "
+            "stopped it too. The gradients hold only those micro-batches (unreduced): call optimizer.zero_grad() "
+            "before the next step.", stage, done, num_micro_batches)
+        return
+    except BaseException as exc:
+        received.clear()
+        results.clear()
+        if isinstance(exc, PeerLostError):  # a stage's process ended: no settling with it
+            raise
+        if isinstance(exc, PipelineAbortedError):  # a neighbour stopped: settle says who and why
+            raise _stage_failures(context, link.settle(STEP_STOPPED, str(exc))) from None
+        watch = context.__dict__.get("_call_watch")
+        if watch is not None and context.tensor_parallel_size > 1:  # tensor-parallel peers may be waiting
+            watch.failed(exc, context._tp_ranks)
+        link.settle(STEP_FAILED, f"{type(exc).__name__}: {exc}")
+        failure.mark_settled(exc)
+        raise
+    failures = link.settle(STEP_OK)
+    if failures:
+        raise _stage_failures(context, failures)
     after_step(scaled)
 
 
@@ -535,10 +662,21 @@ def pipeline_pass(
     link = StageLink(context)
     last = context.is_pipeline_last_stage()
     with torch.no_grad():
-        received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
-        result = stage_forward(received)
-        if not last:
-            link.send(result, link.next)
+        try:
+            received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
+            result = stage_forward(received)
+            if not last:
+                link.send(result, link.next)
+        except PipelineAbortedError as exc:
+            raise _stage_failures(context, link.settle(STEP_STOPPED, str(exc))) from None
+        except PeerLostError:  # a stage's process ended: no settling with it
+            raise
+        except BaseException as exc:
+            link.settle(STEP_FAILED, f"{type(exc).__name__}: {exc}")
+            failure.mark_settled(exc)
+            raise
+        failures = link.settle(STEP_OK)
+        if failures:
+            raise _stage_failures(context, failures)
         values = {name: link.broadcast_from_last(result.get(name) if last else None) for name in names}
-        link.wait_all()
     return values

@@ -1,0 +1,205 @@
+"""A rank that raises inside a model call, an exception the user catches, a micro-batch loop left
+half-way: every rank either goes on cleanly or raises at once, naming the rank that failed; none waits
+until the timeout, none mixes the collectives of two calls."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import oslo
+from oslo.parallel.comm import RankFailedError
+from oslo.parallel.failure import ModelUnusableError
+from oslo.parallel.pipeline import PipelineAbortedError
+from tests.distributed import run_distributed
+from tests.helpers import tiny_gpt2_config
+
+TIMEOUT = 120  # the test's; the model's own collective timeout is 300 s, so a hang cannot pass
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def build(tp: int, pp: int, layers: int = 4):
+    torch.manual_seed(0)
+    return oslo.GPT2LMHeadModel.from_config_with_parallel(
+        tiny_gpt2_config(n_layer=layers), tensor_parallel_size=tp, pipeline_parallel_size=pp, timeout=300,
+        micro_batch_size=2,
+    )
+
+
+def batch(seed: int):
+    ids = torch.randint(3, 1001, (4, 8), generator=torch.Generator().manual_seed(seed))
+    return dict(input_ids=ids, labels=ids)
+
+
+def raise_in(module, when):
+    """Make ``module``'s forward raise :class:`Boom` while ``when()`` holds."""
+    def hook(*_):
+        if when():
+            raise Boom("injected failure")
+    return module.register_forward_hook(hook)
+
+
+def train_step(model, inputs):
+    output = model(**inputs)
+    if model.parallel_context.pipeline_parallel_size == 1:
+        output.loss.backward()
+        return float(output.loss)
+    for micro_output in output:
+        micro_output.loss.backward()
+    return float(micro_output.loss)
+
+
+def _one_rank_fails_at_tp(rank, world_size):
+    model = build(tp=2, pp=1)
+    calls = [0]
+    raise_in(model.transformer.h[1].mlp, lambda: rank == 1 and calls[0] == 1)
+    outcomes = []
+    for call in range(3):
+        calls[0] = call
+        start = time.monotonic()
+        try:
+            train_step(model, batch(call))
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001 - "skip the bad batch"
+            outcomes.append((type(exc).__name__, str(exc), time.monotonic() - start))
+    return outcomes
+
+
+def test_one_tensor_parallel_rank_failing_stops_both_and_names_it():
+    outcomes = run_distributed(_one_rank_fails_at_tp, 2, timeout=TIMEOUT)
+    for rank, (first, second, third) in enumerate(outcomes):
+        assert first == "ok"
+        if rank == 1:
+            assert second[0] == "Boom"
+        else:  # the peer stops waiting in the collective the failed rank never joined, and says who failed
+            assert second[0] == "RankFailedError" and "rank 1: Boom: injected failure" in second[1]
+            assert second[2] < 30
+        # later calls refuse at once on every rank, naming the failure, instead of mixing collectives
+        assert third[0] == "ModelUnusableError" and "rank 1" in third[1] and third[2] < 1
+
+
+def _every_rank_fails_at_tp(rank, world_size):
+    model = build(tp=2, pp=1)
+    calls = [0]
+    raise_in(model.transformer.h[1].mlp, lambda: calls[0] == 1)
+    outcomes = []
+    for call in range(3):
+        calls[0] = call
+        try:
+            outcomes.append(train_step(model, batch(call)))
+        except Boom:
+            outcomes.append("Boom")
+    return outcomes
+
+
+def test_an_error_on_every_rank_leaves_the_model_usable():
+    """The same error on every rank (a bad batch every rank sees) leaves nobody inside a collective:
+    catching it and going on to the next batch works."""
+    outcomes = run_distributed(_every_rank_fails_at_tp, 2, timeout=TIMEOUT)
+    assert outcomes[0][1] == outcomes[1][1] == "Boom"
+    assert outcomes[0][2] == pytest.approx(outcomes[1][2])
+
+
+def _reference_losses(rank, world_size, pp, calls):
+    model = build(tp=1, pp=pp)
+    return [train_step(model, batch(call)) for call in calls]
+
+
+def _stage_fails_mid_forward(rank, world_size, failing_stage):
+    model = build(tp=1, pp=2)
+    calls = [0]
+    stage = model.parallel_context.pipeline_parallel_rank
+    block = 0 if stage == 0 else 3
+    raise_in(model.transformer.h[block].mlp, lambda: stage == failing_stage and calls[0] == 1)
+    outcomes = []
+    for call in range(3):
+        calls[0] = call
+        try:
+            outcomes.append(train_step(model, batch(call)))
+        except (Boom, PipelineAbortedError) as exc:
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_a_stage_failing_mid_forward_is_skippable(failing_stage):
+    """"Skip the bad batch" at pp=2: the failing stage raises its error, the other one learns it
+    (naming the stage), and the next step trains as if the failed one had not happened — weights
+    included, since the optimizer never stepped: the losses equal a run without the failed batch."""
+    outcomes = run_distributed(_stage_fails_mid_forward, 2, failing_stage, timeout=TIMEOUT)
+    for stage, (first, second, third) in enumerate(outcomes):
+        assert isinstance(first, float) and isinstance(third, float)
+        if stage == failing_stage:
+            assert second[0] == "Boom"
+        else:
+            assert second[0] == "PipelineAbortedError" and f"stage {failing_stage}" in second[1]
+    # The failed step's partial gradients are left in .grad (as on one process); this loop never steps,
+    # so the losses of calls 0 and 2 are those of a clean run.
+    reference = run_distributed(_reference_losses, 2, 2, [0, 2], timeout=TIMEOUT)
+    assert outcomes[0][0] == pytest.approx(reference[0][0]) and outcomes[0][2] == pytest.approx(reference[0][1])
+
+
+def _abandoned_loop(rank, world_size, then):
+    model = build(tp=1, pp=2)
+    for micro_output in model(**batch(0)):
+        micro_output.loss.backward()
+        break  # every rank leaves the loop after the first micro-batch
+    if then == "eval":
+        with torch.no_grad():
+            return float(model(**batch(1)).loss)
+    return train_step(model, batch(1))
+
+
+@pytest.mark.parametrize("then", ["train", "eval"])
+def test_a_loop_left_half_way_does_not_hang_the_next_call(then):
+    losses = run_distributed(_abandoned_loop, 2, then, timeout=TIMEOUT)
+    reference = run_distributed(_reference_losses, 2, 2, [1], timeout=TIMEOUT)
+    assert losses[0] == pytest.approx(losses[1])
+    if then == "train":
+        assert losses[0] == pytest.approx(reference[0][0])
+
+
+def _one_stage_leaves_the_loop(rank, world_size):
+    model = build(tp=1, pp=2)
+    stage = model.parallel_context.pipeline_parallel_rank
+    try:
+        for micro_output in model(**batch(0)):
+            micro_output.loss.backward()
+            if stage == 1:
+                break
+        outcome = "finished"
+    except PipelineAbortedError as exc:
+        outcome = str(exc)
+    return outcome, train_step(model, batch(1))
+
+
+def test_a_stage_leaving_the_loop_alone_stops_the_others():
+    (first, loss0), (last, loss1) = run_distributed(_one_stage_leaves_the_loop, 2, timeout=TIMEOUT)
+    assert "stage 1" in first and "left the step" in first
+    assert last == "finished"
+    assert loss0 == pytest.approx(loss1)
+
+
+def _empty_batch(rank, world_size):
+    model = build(tp=1, pp=2)
+    empty = dict(input_ids=torch.zeros(0, 8, dtype=torch.long), labels=torch.zeros(0, 8, dtype=torch.long))
+    try:
+        for micro_output in model(**empty):
+            micro_output.loss.backward()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_empty_batch_in_a_pipelined_training_call_raises():
+    for message in run_distributed(_empty_batch, 2, timeout=TIMEOUT):
+        assert "empty" in message and "batch" in message
+
+
+def test_errors_are_exported():
+    assert issubclass(ModelUnusableError, RuntimeError) and issubclass(RankFailedError, RuntimeError)
