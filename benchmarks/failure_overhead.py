@@ -13,7 +13,8 @@ Reference: the same step with both turned off in this process (``failure.wait`` 
 ``work.wait()``, ``StageLink.settle`` by the old end of step, waiting for the sends), alternated
 with the real one, median over ``--steps`` steps after one warm-up each. Prints the step times and
 their ratio (target: within 1 %; on this 2-vCPU VM the noise between two identical runs is about
-the same size, so the script also prints an A/A ratio: off vs off).
+the same size, so the script also prints an A/A ratio: off vs off), and at pp=2 the median time of
+the end-of-step agreement alone as a share of the step.
 
 Run: ``python benchmarks/failure_overhead.py`` (about 2 minutes); ``--layout tp`` or ``pp`` only.
 """
@@ -81,7 +82,16 @@ def _measure(rank, world_size, tp, pp, steps):
             if index:
                 times[variant].append(elapsed)
     failure.wait, pipeline.StageLink.settle = real_wait, real_settle
-    return {variant: statistics.median(values) for variant, values in times.items()}
+    result = {variant: statistics.median(values) for variant, values in times.items()}
+    # The end-of-step agreement alone (a link that carried nothing), less noisy than step differences.
+    settles = []
+    for _ in range(200 if pp > 1 else 0):
+        link = pipeline.StageLink(model.parallel_context)
+        start = time.perf_counter()
+        link.settle(pipeline.STEP_OK)
+        settles.append(time.perf_counter() - start)
+    result["settle"] = statistics.median(settles) if settles else 0.0
+    return result
 
 
 def main() -> None:
@@ -95,6 +105,9 @@ def main() -> None:
         print(f"tp={tp} pp={pp}: step with failure handling {result['on'] * 1e3:.1f} ms, without "
               f"{result['off'] * 1e3:.1f} ms: ratio {result['on'] / result['off']:.4f} "
               f"(A/A without vs without: {result['off2'] / result['off']:.4f})")
+        if pp > 1:
+            print(f"  the end-of-step agreement alone: {result['settle'] * 1e3:.3f} ms = "
+                  f"{result['settle'] / result['off'] * 100:.3f} % of the step")
 
 
 if __name__ == "__main__":
