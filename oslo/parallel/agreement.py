@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oslo.parallel import failure
 from oslo.parallel.comm import naming_timeouts
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.mappings import group_size
@@ -124,7 +125,8 @@ def check_same_inputs(
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     with naming_timeouts(context, "comparing the inputs of a model call across the model-parallel group",
                          "call the model on every rank of its tensor- and pipeline-parallel group", group):
-        dist.all_gather(gathered, mine, group=group)
+        failure.wait(dist.all_gather(gathered, mine, group=group, async_op=True), group,
+                     "comparing the inputs of a model call across the model-parallel group")
     failed = [index for index, g in enumerate(gathered) if g[1]]
     if failed:
         _raise_on_every_rank(context, error, failed)

@@ -69,9 +69,14 @@ class CallWatch:
     # ---- the failing rank ---------------------------------------------------------------------
     def begin_call(self) -> None:
         """Before any communication of a new model call: refuse it if the model is unusable."""
-        if self.unusable is not None:
-            raise ModelUnusableError(self.unusable)
         self.call += 1
+        if self.unusable is not None:
+            try:  # ranks of the group that did not see the failure stop waiting for this one
+                self.store.set(f"{self.call}/rank{self.context.rank}", f"{_FAILED}|ModelUnusableError: {self.unusable}")
+                self.store.add(f"{self.call}/records", 1)
+            except (RuntimeError, OSError):
+                pass
+            raise ModelUnusableError(self.unusable)
 
     def failed(self, exc: BaseException, peers: list[int] | None = None) -> None:
         """``exc`` escaped model call :attr:`call` on this rank: record it, and find out whether the
@@ -140,6 +145,7 @@ class CallWatch:
             self.store_lost = True
             return
         if failures:
+            self.unusable = self._unusable_message("; ".join(failures))
             raise RankFailedError(
                 f"rank {self.context.rank} stopped waiting while {what}: "
                 + "; ".join(failures)

@@ -203,3 +203,34 @@ def test_an_empty_batch_in_a_pipelined_training_call_raises():
 
 def test_errors_are_exported():
     assert issubclass(ModelUnusableError, RuntimeError) and issubclass(RankFailedError, RuntimeError)
+
+
+def _one_rank_fails_at_tp_and_pp(rank, world_size):
+    model = build(tp=2, pp=2)
+    calls = [0]
+    context = model.parallel_context
+    block = 0 if context.pipeline_parallel_rank == 0 else 3
+    raise_in(model.transformer.h[block].mlp, lambda: rank == 1 and calls[0] == 1)  # stage 0, tp rank 1
+    outcomes = []
+    for call in range(3):
+        calls[0] = call
+        start = time.monotonic()
+        try:
+            train_step(model, batch(call))
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append((type(exc).__name__, str(exc), time.monotonic() - start))
+    return outcomes
+
+
+def test_one_rank_failing_at_tp_2_pp_2_stops_every_rank():
+    """The failed rank's tensor-parallel peer stops waiting (store record), the other stage learns it
+    from the pipeline; nobody waits for the timeout, and every later call raises on every rank."""
+    outcomes = run_distributed(_one_rank_fails_at_tp_and_pp, 4, timeout=TIMEOUT)
+    for rank, (first, second, third) in enumerate(outcomes):
+        assert first == "ok", (rank, first)
+        assert second[0] == ("Boom" if rank == 1 else second[0]) and second[2] < 60, (rank, second)
+        assert "rank 1" in second[1] or rank == 1, (rank, second)
+        # (the other stage may find ranks 0 and 1 gone: they raise at once and this test's processes end)
+        assert third[0] in ("ModelUnusableError", "RankFailedError", "PeerLostError"), (rank, third)
+        assert "rank 1" in third[1] or third[0] == "PeerLostError", (rank, third)
