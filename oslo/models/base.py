@@ -336,7 +336,6 @@ class OsloPreTrainedModel(PreTrainedModel):
             output = output_class(**values)
             return output if return_dict else output.to_tuple()
 
-        close_open_step(context)  # a step left half-way ends on every stage before this call communicates
         # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
         per_layer = [
             name for name in ("hidden_states", "attentions")
@@ -446,6 +445,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             watch = call_watch(context) if outermost else None
             if watch is not None:  # refuses the call if an earlier one left the ranks out of step
                 watch.begin_call()
+            if outermost and context.pipeline_parallel_size > 1:
+                close_open_step(context)  # a step left half-way ends on every stage before this call communicates
             error = embedding_index_error(self, args, kwargs, nested=not outermost)
             if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
                 check_same_inputs(context, args, kwargs, error)

@@ -37,7 +37,8 @@ POLL_SECONDS = 0.2  # how often a waiting rank looks for a peer's failure
 _SETTLE_SECONDS = 60.0  # at most this long, a failed rank waits to learn whether its peers failed too
 _FAILED, _STOPPED = "failed", "stopped"  # a rank's own exception; a rank that stopped waiting for a failed one
 _POLL_EXPIRED = "Operation timed out!"  # what gloo's Work.wait(timeout) raises when the time is up
-_watches_by_group: dict[int, CallWatch] = {}
+# id(group) -> (group, its watch); the group is kept so that its id is never reused by another object.
+_watches_by_group: dict[int, tuple[object, CallWatch]] = {}
 _instances = 0
 
 
@@ -167,7 +168,7 @@ def call_watch(context: ParallelContext) -> CallWatch | None:
     context._call_watch = watch
     for group in (context.tensor_parallel_group, context.pipeline_parallel_group, context.model_parallel_group):
         if group is not None:
-            _watches_by_group[id(group)] = watch
+            _watches_by_group[id(group)] = (group, watch)
     return watch
 
 
@@ -175,7 +176,7 @@ def wait(work: dist.Work, group, what: str, watch: CallWatch | None = None) -> N
     """Wait for an asynchronous collective (or transfer) of a model call over ``group``; stop with
     :class:`RankFailedError` if a peer failed in this call meanwhile. gloo only: NCCL work runs on
     the device stream, and its own watchdog handles a peer that never comes."""
-    watch = watch or _watches_by_group.get(id(group))
+    watch = watch or _watches_by_group.get(id(group), (None, None))[1]
     if watch is None or dist.get_backend(group) != "gloo":
         work.wait()
         return

@@ -28,6 +28,7 @@ same tensor- and data-parallel rank in the neighbouring stages.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -468,6 +469,13 @@ class PipelineStep(Iterator):
         return self
 
     def __next__(self) -> Any:
+        if self.__dict__.get("_ended_by_call"):
+            raise RuntimeError(
+                "this pipeline training step was ended early, on every stage, because the model was called "
+                "again before its last micro-batch: the stages exchange each call's activations on the same "
+                "links, so calls cannot overlap. Finish the loop over the micro-batch outputs before calling "
+                "the model again (evaluate after the step)."
+            )
         return next(self._steps)
 
     def close(self) -> None:
@@ -499,7 +507,9 @@ def close_open_step(context: ParallelContext) -> None:
     reference to it is kept), so that it ends on every stage before the next call communicates."""
     reference = context.__dict__.pop("_open_pipeline_step", None)
     step = reference() if reference is not None else None
-    if step is not None:
+    if step is not None and inspect.isgenerator(step._steps) \
+            and inspect.getgeneratorstate(step._steps) in (inspect.GEN_CREATED, inspect.GEN_SUSPENDED):
+        step._ended_by_call = True
         step.close()
 
 

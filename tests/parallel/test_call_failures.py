@@ -234,3 +234,23 @@ def test_one_rank_failing_at_tp_2_pp_2_stops_every_rank():
         # (the other stage may find ranks 0 and 1 gone: they raise at once and this test's processes end)
         assert third[0] in ("ModelUnusableError", "RankFailedError", "PeerLostError"), (rank, third)
         assert "rank 1" in third[1] or third[0] == "PeerLostError", (rank, third)
+
+
+def _call_inside_the_loop(rank, world_size):
+    model = build(tp=1, pp=2)
+    step = model(**batch(0))
+    first = next(step)
+    first.loss.backward()
+    with torch.no_grad():  # another call while the step is open: the step ends on both stages
+        evaluation = float(model(**batch(1)).loss)
+    try:
+        next(step)
+        return "went on", evaluation
+    except RuntimeError as exc:
+        return str(exc), evaluation
+
+
+def test_calling_the_model_inside_an_open_step_ends_it_loudly():
+    (message0, eval0), (message1, eval1) = run_distributed(_call_inside_the_loop, 2, timeout=TIMEOUT)
+    assert "ended early" in message0 and "ended early" in message1
+    assert eval0 == pytest.approx(eval1)
