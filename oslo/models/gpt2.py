@@ -25,9 +25,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     CausalLMOutputWithCrossAttentions,
-    QuestionAnsweringModelOutput,
-    SequenceClassifierOutputWithPast,
-    TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import (
@@ -38,6 +35,13 @@ from transformers.models.gpt2.modeling_gpt2 import (
 
 from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
 from oslo.models.base import OsloPreTrainedModel, logits_not_gathered
+from oslo.models.heads import (
+    QuestionAnsweringHead,
+    SequenceClassificationHead,
+    TokenClassificationHead,
+    body_inputs,
+    class_items,
+)
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
     ColumnParallelLinear,
@@ -313,7 +317,7 @@ class GPT2Model(GPT2PreTrainedModel):
         if self.parallel_context.pipeline_parallel_size > 1 and not pipeline_stage:
             return self._forward_with_head(
                 self,
-                _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+                body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
                 {},
                 lambda hidden_states, inputs, head_inputs, outputs_needed: {"last_hidden_state": hidden_states},
                 BaseModelOutputWithPastAndCrossAttentions,
@@ -403,11 +407,6 @@ class GPT2Model(GPT2PreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-def _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> dict:
-    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                position_ids=position_ids, inputs_embeds=inputs_embeds)
-
-
 def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """transformers' ``logits_to_keep``: the last n positions (0: all), or the given indices."""
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -432,11 +431,6 @@ def _output_class(model: nn.Module, output_class: type, gather: bool, gather_log
     if gather or gather_logits is False or model.parallel_context.pipeline_parallel_size > 1:
         return output_class
     return logits_not_gathered(output_class)
-
-
-def _class_items(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Labelled items of a cross entropy: labels that are not ``ignore_index``."""
-    return (labels != ignore_index).sum()
 
 
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
@@ -494,7 +488,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
 
         return self._forward_with_head(
             self.transformer,
-            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
             head,
             _output_class(self, CausalLMOutputWithCrossAttentions, gather, gather_logits),
@@ -571,12 +565,12 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
             if "labels" in batch:
                 items["loss"] = causal_lm_items(batch["labels"])
             if "mc_labels" in batch:
-                items["mc_loss"] = _class_items(batch["mc_labels"])
+                items["mc_loss"] = class_items(batch["mc_labels"])
             return items
 
         return self._forward_with_head(
             self.transformer,
-            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
             head,
             _output_class(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
@@ -589,230 +583,28 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         )
 
 
-def _problem_type(config: GPT2Config, num_labels: int, labels: torch.Tensor) -> str:
-    """transformers' choice of loss for sequence classification, made (and recorded in the config) on
-    every rank before the model runs, so every pipeline stage's config, and a saved config.json, has it."""
-    if config.problem_type is None:
-        if num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    return config.problem_type
-
-
-class GPT2ForSequenceClassification(GPT2PreTrainedModel):
+class GPT2ForSequenceClassification(SequenceClassificationHead, GPT2PreTrainedModel):
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        self.num_labels = config.num_labels
         self.transformer = GPT2Model(config, self.parallel_context)
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False) if last else None  # small: replicated
+        self._build_sequence_classification_head(config)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> SequenceClassifierOutputWithPast | tuple:
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        problem_type = _problem_type(self.config, self.num_labels, labels) if labels is not None else None
-        if problem_type == "single_label_classification":  # cross entropy on classes
-            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
-        batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        if self.config.pad_token_id is None and batch_size != 1:
-            raise ValueError(
-                f"GPT2ForSequenceClassification needs config.pad_token_id to find the last token of each of "
-                f"the {batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
-            )
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            logits = self.score(hidden_states)  # (B, T, num_labels)
-            input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
-            if pad_token_id is None or input_ids is None:
-                last_token = -1
-            else:
-                # The rightmost non-pad token, so both left and right padding work.
-                not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
-                positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-                last_token = (positions * not_pad).argmax(-1)
-            pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
-            loss = None
-            if head_inputs["labels"] is not None:
-                loss = LossSum(_sequence_classification_loss_sum(
-                    problem_type, self.num_labels, pooled_logits, head_inputs["labels"]))
-            return {"loss": loss, "logits": pooled_logits}
-
-        return self._forward_with_head(
-            self.transformer,
-            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
-            {"labels": labels},
-            head,
-            SequenceClassifierOutputWithPast,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            return_dict=return_dict,
-            body_kwargs=kwargs,
-            loss_items=lambda batch: {"loss": _sequence_classification_items(problem_type, batch["labels"])},
-            num_items_in_batch=num_items_in_batch,
-        )
-
-
-def _sequence_classification_loss_sum(problem_type: str, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
-    """transformers' sequence-classification losses (regression, single- or multi-label), summed over
-    their items instead of averaged (see :func:`_sequence_classification_items`)."""
-    labels = labels.to(logits.device)
-    if problem_type == "regression":
-        if num_labels == 1:
-            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype), reduction="sum")
-        return F.mse_loss(logits, labels.to(logits.dtype), reduction="sum")
-    if problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="sum")
-    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
-
-
-def _sequence_classification_items(problem_type: str, labels: torch.Tensor) -> torch.Tensor:
-    """What each sequence-classification loss averages over: labelled rows for cross entropy (``-100``
-    ignored), every element of the labels for regression and multi-label classification."""
-    if problem_type == "single_label_classification":
-        return _class_items(labels.view(-1))
-    return torch.tensor(labels.numel(), device=labels.device)
-
-
-class GPT2ForTokenClassification(GPT2PreTrainedModel):
+class GPT2ForTokenClassification(TokenClassificationHead, GPT2PreTrainedModel):
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        self.num_labels = config.num_labels
         self.transformer = GPT2Model(config, self.parallel_context)
-        if getattr(config, "classifier_dropout", None) is not None:
-            dropout = config.classifier_dropout
-        elif getattr(config, "hidden_dropout", None) is not None:
-            dropout = config.hidden_dropout
-        else:
-            dropout = 0.1
-        self.dropout = nn.Dropout(dropout)
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if last else None  # small: replicated
+        self._build_token_classification_head(config)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> TokenClassifierOutput | tuple:
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        if labels is not None:
-            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            logits = self.classifier(self.dropout(hidden_states))
-            loss = None
-            if head_inputs["labels"] is not None:
-                labels = head_inputs["labels"].to(logits.device)
-                loss = LossSum(F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1), reduction="sum"))
-            return {"loss": loss, "logits": logits}
-
-        return self._forward_with_head(
-            self.transformer,
-            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
-            {"labels": labels},
-            head,
-            TokenClassifierOutput,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            return_dict=return_dict,
-            body_kwargs=kwargs,
-            loss_items=lambda batch: {"loss": _class_items(batch["labels"])},
-            num_items_in_batch=num_items_in_batch,
-        )
-
-
-def _answer_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """Start or end positions as transformers scores them: squeezed to one per row, and clamped to
-    ``[0, length]``, where ``length`` (outside the input) is the ignored index."""
-    if positions.dim() > 1:
-        positions = positions.squeeze(-1)
-    return positions.clamp(0, length)
-
-
-class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
-    _pipeline_loss_inputs = ("start_positions", "end_positions")
-
+class GPT2ForQuestionAnswering(QuestionAnsweringHead, GPT2PreTrainedModel):
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        self.num_labels = config.num_labels
         self.transformer = GPT2Model(config, self.parallel_context)
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.qa_outputs = nn.Linear(config.hidden_size, 2) if last else None  # small: replicated
+        self._build_question_answering_head(config)
         self.post_init()
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        start_positions: torch.LongTensor | None = None,
-        end_positions: torch.LongTensor | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> QuestionAnsweringModelOutput | tuple:
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            start_logits, end_logits = self.qa_outputs(hidden_states).split(1, dim=-1)
-            start_logits = start_logits.squeeze(-1).contiguous()
-            end_logits = end_logits.squeeze(-1).contiguous()
-            loss = None
-            start_positions, end_positions = head_inputs["start_positions"], head_inputs["end_positions"]
-            if start_positions is not None and end_positions is not None:
-                # Positions outside the input are clamped to an ignored index, as transformers does; the
-                # loss is the mean of the start and the end loss.
-                start = _answer_positions(start_positions, length).to(start_logits.device)
-                end = _answer_positions(end_positions, length).to(end_logits.device)
-                loss = LossSum(torch.stack([
-                    F.cross_entropy(start_logits, start, ignore_index=length, reduction="sum"),
-                    F.cross_entropy(end_logits, end, ignore_index=length, reduction="sum"),
-                ]), weights=(0.5, 0.5))
-            return {"loss": loss, "start_logits": start_logits, "end_logits": end_logits}
-
-        def loss_items(batch):
-            if "start_positions" not in batch or "end_positions" not in batch:
-                return {}
-            return {"loss": torch.stack([_class_items(_answer_positions(batch[name], length), length)
-                                         for name in ("start_positions", "end_positions")])}
-
-        return self._forward_with_head(
-            self.transformer,
-            _body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
-            {"start_positions": start_positions, "end_positions": end_positions},
-            head,
-            QuestionAnsweringModelOutput,
-            use_cache=False,
-            return_dict=return_dict,
-            body_kwargs=kwargs,
-            loss_items=loss_items,
-            num_items_in_batch=num_items_in_batch,
-        )
 
 
 __all__ = [

@@ -1,0 +1,290 @@
+"""Task heads written once, for every architecture.
+
+A head is a mixin: an architecture's class declares it before its pre-trained base class, e.g.
+``class GPT2ForTokenClassification(TokenClassificationHead, GPT2PreTrainedModel)``, and builds it in
+``__init__`` after its body (``self._build_..._head(config)``). The head's ``forward`` runs the body
+(``self.base_model``, the module named by ``base_model_prefix``) through
+:meth:`~oslo.models.base.OsloPreTrainedModel._forward_with_head`, so tensor and pipeline parallelism,
+loss averaging over micro-batches and replicas, and the input checks are the same for every model.
+The heads' layers are small and replicated, and live on the last pipeline stage only.
+
+What a head needs from its architecture:
+
+* ``config.hidden_size`` (every transformers config maps it);
+* the dropout before a classifier: :meth:`ClassifierDropout._classifier_dropout_probability`, which an
+  architecture overrides when its config names it differently;
+* for sequence classification, how a sequence is pooled: the last non-padding token (decoders, such as
+  GPT2), the body's ``pooler_output`` (encoders, such as BERT), see :class:`SequenceClassificationHead`.
+
+The loss math — transformers' losses, as sums over their items so that averaging follows the whole
+step — lives in the functions below the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import (
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
+
+from oslo.parallel.loss import LossSum, check_labels
+
+__all__ = [
+    "QuestionAnsweringHead",
+    "SequenceClassificationHead",
+    "TokenClassificationHead",
+    "answer_positions",
+    "body_inputs",
+    "class_items",
+    "problem_type",
+    "sequence_classification_items",
+    "sequence_classification_loss_sum",
+]
+
+
+def body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> dict:
+    """The batch inputs every body takes, by name."""
+    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                position_ids=position_ids, inputs_embeds=inputs_embeds)
+
+
+class ClassifierDropout:
+    """The dropout probability before a classifier, as transformers reads it from a config."""
+
+    @staticmethod
+    def _classifier_dropout_probability(config) -> float:
+        for name in ("classifier_dropout", "hidden_dropout", "hidden_dropout_prob"):
+            if getattr(config, name, None) is not None:
+                return getattr(config, name)
+        return 0.1
+
+
+class TokenClassificationHead(ClassifierDropout):
+    """A class per token: dropout, then a linear layer on every position's hidden state."""
+
+    def _build_token_classification_head(self, config) -> None:
+        self.num_labels = config.num_labels
+        self.dropout = nn.Dropout(self._classifier_dropout_probability(config))
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if last else None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
+
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            logits = self.classifier(self.dropout(hidden_states))
+            loss = None
+            if head_inputs["labels"] is not None:
+                labels = head_inputs["labels"].to(logits.device)
+                loss = LossSum(F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1), reduction="sum"))
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            TokenClassifierOutput,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": class_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+class SequenceClassificationHead:
+    """A class (or regression targets) per sequence, from the hidden state of the sequence's last
+    non-padding token (``config.pad_token_id`` finds it; left and right padding both work), as
+    transformers' decoders pool. The loss (regression, single- or multi-label) follows
+    ``config.problem_type``, decided from the labels as transformers does, on every rank."""
+
+    def _build_sequence_classification_head(self, config) -> None:
+        self.num_labels = config.num_labels
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False) if last else None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        kind = problem_type(self.config, self.num_labels, labels) if labels is not None else None
+        if kind == "single_label_classification":  # cross entropy on classes
+            check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
+        batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        if self.config.pad_token_id is None and batch_size != 1:
+            raise ValueError(
+                f"{type(self).__name__} needs config.pad_token_id to find the last token of each of the "
+                f"{batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
+            )
+
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            logits = self.score(hidden_states)  # (B, T, num_labels)
+            input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
+            if pad_token_id is None or input_ids is None:
+                last_token = -1
+            else:
+                # The rightmost non-pad token, so both left and right padding work.
+                not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+                positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+                last_token = (positions * not_pad).argmax(-1)
+            pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = LossSum(sequence_classification_loss_sum(kind, self.num_labels, pooled_logits,
+                                                                head_inputs["labels"]))
+            return {"loss": loss, "logits": pooled_logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            SequenceClassifierOutputWithPast,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": sequence_classification_items(kind, batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+class QuestionAnsweringHead:
+    """Extractive question answering: a start and an end logit per token; the loss is the mean of the
+    start and the end cross entropy, positions outside the input ignored (as transformers)."""
+
+    _pipeline_loss_inputs = ("start_positions", "end_positions")
+
+    def _build_question_answering_head(self, config) -> None:
+        self.num_labels = config.num_labels
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.qa_outputs = nn.Linear(config.hidden_size, 2) if last else None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+
+        def head(hidden_states, inputs, head_inputs, outputs_needed):
+            start_logits, end_logits = self.qa_outputs(hidden_states).split(1, dim=-1)
+            start_logits = start_logits.squeeze(-1).contiguous()
+            end_logits = end_logits.squeeze(-1).contiguous()
+            loss = None
+            start_positions, end_positions = head_inputs["start_positions"], head_inputs["end_positions"]
+            if start_positions is not None and end_positions is not None:
+                start = answer_positions(start_positions, length).to(start_logits.device)
+                end = answer_positions(end_positions, length).to(end_logits.device)
+                loss = LossSum(torch.stack([
+                    F.cross_entropy(start_logits, start, ignore_index=length, reduction="sum"),
+                    F.cross_entropy(end_logits, end, ignore_index=length, reduction="sum"),
+                ]), weights=(0.5, 0.5))
+            return {"loss": loss, "start_logits": start_logits, "end_logits": end_logits}
+
+        def loss_items(batch):
+            if "start_positions" not in batch or "end_positions" not in batch:
+                return {}
+            return {"loss": torch.stack([class_items(answer_positions(batch[name], length), length)
+                                         for name in ("start_positions", "end_positions")])}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"start_positions": start_positions, "end_positions": end_positions},
+            head,
+            QuestionAnsweringModelOutput,
+            use_cache=False,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=loss_items,
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss math shared by the heads
+# ---------------------------------------------------------------------------------------------
+def class_items(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Labelled items of a cross entropy: labels that are not ``ignore_index``."""
+    return (labels != ignore_index).sum()
+
+
+def problem_type(config, num_labels: int, labels: torch.Tensor) -> str:
+    """transformers' choice of loss for sequence classification, made (and recorded in the config) on
+    every rank before the model runs, so every pipeline stage's config, and a saved config.json, has it."""
+    if config.problem_type is None:
+        if num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return config.problem_type
+
+
+def sequence_classification_loss_sum(kind: str, num_labels: int, logits: torch.Tensor, labels: torch.Tensor):
+    """transformers' sequence-classification losses (regression, single- or multi-label), summed over
+    their items instead of averaged (see :func:`sequence_classification_items`)."""
+    labels = labels.to(logits.device)
+    if kind == "regression":
+        if num_labels == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype), reduction="sum")
+        return F.mse_loss(logits, labels.to(logits.dtype), reduction="sum")
+    if kind == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="sum")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+
+
+def sequence_classification_items(kind: str, labels: torch.Tensor) -> torch.Tensor:
+    """What each sequence-classification loss averages over: labelled rows for cross entropy (``-100``
+    ignored), every element of the labels for regression and multi-label classification."""
+    if kind == "single_label_classification":
+        return class_items(labels.view(-1))
+    return torch.tensor(labels.numel(), device=labels.device)
+
+
+def answer_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Start or end positions as transformers scores them: squeezed to one per row, and clamped to
+    ``[0, length]``, where ``length`` (outside the input) is the ignored index."""
+    if positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    return positions.clamp(0, length)
