@@ -2,7 +2,7 @@
 
 from oslo.parallel.agreement import InputMismatchError, agree_on_nonfinite_gradients, check_same_inputs
 from oslo.parallel.clip import clip_grad_norm_
-from oslo.parallel.comm import PeerTimeoutError, RankFailedError
+from oslo.parallel.comm import PeerLostError, PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.failure import ModelUnusableError
 from oslo.parallel.layers import (
@@ -42,6 +42,7 @@ __all__ = [
     "agree_on_nonfinite_gradients",
     "InputMismatchError",
     "PeerTimeoutError",
+    "PeerLostError",
     "RankFailedError",
     "ModelUnusableError",
     "PipelineAbortedError",
