@@ -295,8 +295,8 @@ def test_ranks_that_disagree_on_the_layout_fail_every_rank(settings, fragment):
     """Ranks asking for different layouts would create different groups and wait for each other: one
     all-gather before any group exists tells every rank, at once, who asked for what."""
     settings = [dict(dict(timeout=20), **ours) for ours in settings]
-    elapsed = run_distributed(_disagree, 2, settings, [fragment, "Pass the same tensor_parallel_size"], timeout=40)
-    assert max(elapsed) < 10, elapsed  # not the 20 s timeout
+    # The message, not a timing, tells the check from the 20 s timeout (which would say "waited").
+    run_distributed(_disagree, 2, settings, [fragment, "Pass the same tensor_parallel_size"], timeout=40)
 
 
 def _layout_cost(rank, world_size, seeds):
