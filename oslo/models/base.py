@@ -649,7 +649,36 @@ class OsloPreTrainedModel(PreTrainedModel):
         # which unties shared weights: tie them again.
         model = model.to(dtype).to_empty(device=context.device)
         model.tie_weights()
+        model._initialize_buffers()
         return model
+
+    def _init_buffers(self, module: nn.Module) -> None:
+        """Give ``module``'s own buffers their values (an architecture with buffers overrides this, as
+        transformers' ``_init_weights`` does for them: BERT's ``position_ids``, GPT-Neo's attention masks).
+
+        The model is built on the meta device, where a buffer computed in ``__init__`` (``torch.arange``)
+        gets no values; leaving meta allocates it uninitialized. Called once per module after the build.
+        """
+
+    @torch.no_grad()
+    def _initialize_buffers(self) -> None:
+        """Run :meth:`_init_buffers` on every module, and refuse a buffer it left unset (neither written
+        in place nor replaced: its version counter and identity are unchanged), rather than let
+        uninitialized memory reach a forward pass."""
+        before = {name: (buffer, buffer._version) for name, buffer in self.named_buffers() if buffer.numel()}
+        if not before:
+            return
+        for module in self.modules():
+            self._init_buffers(module)
+        after = dict(self.named_buffers())
+        unset = [name for name, (buffer, version) in before.items()
+                 if after.get(name) is buffer and buffer._version == version]
+        if unset:
+            raise NotImplementedError(
+                f"{type(self).__name__} has buffers that nothing initializes after the meta-device build: {unset}. "
+                f"Give them their values in {type(self).__name__}._init_buffers(module) (as transformers' "
+                "_init_weights does for buffers)."
+            )
 
     @classmethod
     def from_config_with_parallel(
