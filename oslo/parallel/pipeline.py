@@ -529,6 +529,22 @@ def _stage_failures(context: ParallelContext, failures: list[tuple[int, int, str
     ))
 
 
+def _end_failed(context: ParallelContext, link: StageLink, exc: BaseException) -> None:
+    """End a step or pass that ``exc`` interrupted on this stage, on every stage (see
+    :meth:`StageLink.settle`). Returns to let the caller re-raise ``exc`` (marked settled); raises
+    instead the :class:`PipelineAbortedError` naming the stage that failed when ``exc`` only passes on
+    a neighbour's failure."""
+    if isinstance(exc, PeerLostError):  # a stage's process ended: no settling with it
+        return
+    if isinstance(exc, PipelineAbortedError):  # a neighbour stopped: settle says who and why
+        raise _stage_failures(context, link.settle(STEP_STOPPED, str(exc))) from None
+    watch = context.__dict__.get("_call_watch")
+    if watch is not None and context.tensor_parallel_size > 1:  # tensor-parallel peers may be waiting
+        watch.failed(exc, context._tp_ranks)
+    link.settle(STEP_FAILED, f"{type(exc).__name__}: {exc}")
+    failure.mark_settled(exc)
+
+
 def pipeline_schedule(
     context: ParallelContext,
     num_micro_batches: int,
@@ -639,15 +655,7 @@ def pipeline_schedule(
     except BaseException as exc:
         received.clear()
         results.clear()
-        if isinstance(exc, PeerLostError):  # a stage's process ended: no settling with it
-            raise
-        if isinstance(exc, PipelineAbortedError):  # a neighbour stopped: settle says who and why
-            raise _stage_failures(context, link.settle(STEP_STOPPED, str(exc))) from None
-        watch = context.__dict__.get("_call_watch")
-        if watch is not None and context.tensor_parallel_size > 1:  # tensor-parallel peers may be waiting
-            watch.failed(exc, context._tp_ranks)
-        link.settle(STEP_FAILED, f"{type(exc).__name__}: {exc}")
-        failure.mark_settled(exc)
+        _end_failed(context, link, exc)
         raise
     failures = link.settle(STEP_OK)
     if failures:
@@ -677,13 +685,8 @@ def pipeline_pass(
             result = stage_forward(received)
             if not last:
                 link.send(result, link.next)
-        except PipelineAbortedError as exc:
-            raise _stage_failures(context, link.settle(STEP_STOPPED, str(exc))) from None
-        except PeerLostError:  # a stage's process ended: no settling with it
-            raise
         except BaseException as exc:
-            link.settle(STEP_FAILED, f"{type(exc).__name__}: {exc}")
-            failure.mark_settled(exc)
+            _end_failed(context, link, exc)
             raise
         failures = link.settle(STEP_OK)
         if failures:
