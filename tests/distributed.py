@@ -20,13 +20,14 @@ import pickle
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 DEFAULT_TIMEOUT = 120.0
+LOST_EXIT = 17  # the exit code of a rank that ends its own process on purpose (``lost=`` below)
 
 
 def _free_port() -> int:
@@ -69,9 +70,14 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
     grace: float = 5.0,
+    lost: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results.
+
+    ``lost``: ranks that end their own process mid-way (``os._exit(LOST_EXIT)`` inside ``fn``, as a
+    killed peer would); their result is ``None``. One of them returning, or ending otherwise, fails.
+    """
     ctx = mp.get_context("fork")
     port = _free_port()
     procs, conns = [], []
@@ -100,7 +106,13 @@ def run_distributed(
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
+                    procs[rank].join(timeout=5)
+                    if rank in lost and procs[rank].exitcode == LOST_EXIT:
+                        results[rank] = None
+                        continue
                     status, payload = "error", f"exited without a result (exit code {procs[rank].exitcode})"
+                if status == "ok" and rank in lost:
+                    status, payload = "error", f"was to end its process (os._exit(LOST_EXIT)) but returned {payload!r}"
                 if status == "error":
                     failures[rank] = payload
                     # The other ranks get a short grace period to finish (and clean up), then are killed.

@@ -3,9 +3,7 @@ the group, and the lost rank where it is known, instead of gloo's bare "Connecti
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import pickle
 import re
 import time
 
@@ -16,61 +14,17 @@ import torch.distributed as dist
 import oslo
 from oslo.parallel import ParallelContext
 from oslo.parallel.comm import PeerLostError, naming_timeouts, run_on_all_ranks
-from tests.distributed import RankError, _free_port, _worker
+from tests.distributed import LOST_EXIT, run_distributed
 from tests.helpers import tiny_gpt2_config
 
-EXIT = 17  # the exit code of a rank that ends itself
 # What gloo says, kept in the message: the lost peer's address, its socket closed or reset.
 GLOO_LOST = r"\((Connection closed by peer|Read error) \[127\.0\.0\.1\]:\d+(: Connection reset by peer)?\)"
-
-
-def run_losing_ranks(fn, world_size: int, lost: set[int], *args, timeout: float = 60.0) -> list:
-    """``run_distributed`` for a test in which the ranks in ``lost`` end their process mid-way
-    (``os._exit(EXIT)`` inside ``fn``): returns every rank's result, ``None`` for the lost ones. A lost
-    rank that returns, another that ends without a result, or a rank that raises fails the test."""
-    context = mp.get_context("fork")
-    port = _free_port()
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent, child = context.Pipe(duplex=False)
-        proc = context.Process(target=_worker, args=(fn, rank, world_size, port, args, {}, child))
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for rank, conn in enumerate(conns):
-            if not conn.poll(max(deadline - time.monotonic(), 0)):
-                raise TimeoutError(f"rank {rank} of {world_size} did not finish within {timeout:.0f} s")
-            try:
-                status, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:  # the process ended without a word
-                procs[rank].join(timeout=5)
-                assert rank in lost, f"rank {rank} ended without a result (exit code {procs[rank].exitcode})"
-                assert procs[rank].exitcode == EXIT, procs[rank].exitcode
-                results.append(None)
-                continue
-            if status == "error":
-                raise RankError(f"rank {rank} failed:\n{payload}")
-            assert rank not in lost, f"rank {rank} was to end itself but returned {payload!r}"
-            results.append(payload)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=5)
-        for conn in conns:
-            conn.close()
-    return results
 
 
 def _end_soon(delay: float = 0.3) -> None:
     """End this process after ``delay`` seconds (the peers are inside the collective by then)."""
     time.sleep(delay)
-    os._exit(EXIT)
+    os._exit(LOST_EXIT)
 
 
 def _lost_in_agreement(rank, world_size):
@@ -85,7 +39,8 @@ def _lost_in_agreement(rank, world_size):
 
 
 def test_a_peer_that_ends_during_a_collective_is_named():
-    (_, message), _ = run_losing_ranks(_lost_in_agreement, 2, {1})  # PeerLostError, not the 30 s timeout's
+    # PeerLostError, not the 30 s timeout's error
+    (_, message), _ = run_distributed(_lost_in_agreement, 2, lost={1}, timeout=60)
     assert message.startswith(
         "rank 0 lost its connection to global rank 1 (tensor-parallel rank 1) of the oslo world group (global "
         "ranks [0-1]) while saving the checkpoint ("), message
@@ -104,7 +59,7 @@ def _lost_sender(rank, world_size):
 
 
 def test_a_lost_point_to_point_peer_is_named_by_stage():
-    message, _ = run_losing_ranks(_lost_sender, 2, {1})
+    message, _ = run_distributed(_lost_sender, 2, lost={1}, timeout=60)
     assert message.startswith("rank 0 lost its connection to global rank 1 (pipeline stage 1) while receiving "
                               "activations ("), message
     assert re.search(GLOO_LOST, message), message
@@ -123,7 +78,7 @@ def _lost_in_larger_group(rank, world_size):
 
 def test_every_survivor_of_a_larger_group_raises():
     """In a group of three the lost rank is not known, the group is; no survivor is left waiting."""
-    for message in run_losing_ranks(_lost_in_larger_group, 3, {2})[:2]:
+    for message in run_distributed(_lost_in_larger_group, 3, lost={2}, timeout=60)[:2]:
         assert "lost its connection to a rank of the data-parallel group (global ranks [0-2]) while averaging " \
                "gradients (" in message, message
         assert re.search(GLOO_LOST, message), message
@@ -133,14 +88,14 @@ def _lost_before_a_model_call(rank, world_size):
     model = oslo.GPT2LMHeadModel.from_config_with_parallel(tiny_gpt2_config(), tensor_parallel_size=2, timeout=30)
     dist.barrier()
     if rank == 1:
-        os._exit(EXIT)
+        os._exit(LOST_EXIT)
     with pytest.raises(PeerLostError, match="while comparing the inputs of a model call") as info:
         model(torch.tensor([[1, 2, 3]]))
     return str(info.value)
 
 
 def test_a_model_call_after_a_peer_ended_raises_peer_lost():
-    message, _ = run_losing_ranks(_lost_before_a_model_call, 2, {1})
+    message, _ = run_distributed(_lost_before_a_model_call, 2, lost={1}, timeout=60)
     assert message.startswith("rank 0 lost its connection to") and re.search(GLOO_LOST, message), message
 
 
@@ -149,7 +104,7 @@ def _lost_mid_step(rank, world_size, tp, pp):
         tiny_gpt2_config(), tensor_parallel_size=tp, pipeline_parallel_size=pp, timeout=30)
     if rank == 1:  # ends after its first block: rank 0 waits in a tensor-parallel sum, or for a gradient
         next(m for n, m in model.named_modules() if re.search(r"\bh\.\d+$", n)).register_forward_hook(
-            lambda *_: os._exit(EXIT))
+            lambda *_: os._exit(LOST_EXIT))
     ids = torch.tensor([[1, 2, 3, 4]] * 2)
     start = time.monotonic()
     with pytest.raises(PeerLostError) as info:
@@ -166,5 +121,5 @@ def _lost_mid_step(rank, world_size, tp, pp):
     (1, 2, "global rank 1 (pipeline stage 1) while receiving from the neighbouring pipeline stage"),
 ])
 def test_a_peer_lost_mid_step_is_named_at_once(tp, pp, lost):
-    (_, message), _ = run_losing_ranks(_lost_mid_step, 2, {1}, tp, pp)  # PeerLostError, not a timeout's
+    (_, message), _ = run_distributed(_lost_mid_step, 2, tp, pp, lost={1}, timeout=60)  # PeerLostError
     assert message.startswith(f"rank 0 lost its connection to {lost}") and re.search(GLOO_LOST, message), message
