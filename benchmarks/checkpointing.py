@@ -65,7 +65,6 @@ import torch
 import torch.distributed as dist
 
 import oslo
-from oslo.models.gpt2 import _stage_layers
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # glibc settings of the memory processes (set before the model is built): every allocation of
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         off, on = memory[(pp, False)], memory[(pp, True)]
         micro = args.micro_batch_size if pp > 1 else args.batch
         m = args.batch // micro
-        blocks = [len(r) for r in _stage_layers(config, pp, config.vocab_size * config.n_embd)]
+        blocks = [len(r) for r in oslo.GPT2LMHeadModel.pipeline_partition(config, pp)]
         time_off, time_on = bench.median(times[(pp, False)]), bench.median(times[(pp, True)])
         print(f"\npp={pp}" + (f", micro-batches of {args.micro_batch_size} (m = {args.batch // args.micro_batch_size})"
                               if pp > 1 else ", whole batch"))

@@ -14,7 +14,7 @@ counterpart. Reported, each as unfused ms / fused ms (ratio > 1: fused is faster
   forward, and forward + backward.
 * bias + dropout + residual add (p = 0.1): ``residual + F.dropout(x + b)`` vs ``bias_dropout_add``.
 * attention softmax: eager ``softmax(scores * scale + causal_mask)`` vs ``scaled_masked_softmax(scores,
-  scale=..., causal=True)``, and with a boolean padding mask.
+  scale=..., causal=True)``, with a boolean padding mask, and GPT-Neo's sliding window (``window=256``).
 * n-gram blocking (n = 3, 64 rows, history 1024, vocab 50257): transformers' processor vs
   ``no_repeat_ngram_block`` (copy and in place).
 
@@ -162,8 +162,18 @@ def bench_softmax(batch: int, seq: int, dtype: torch.dtype, timing: dict) -> Non
     def fused_padding():
         return scaled_masked_softmax(scores, padding, scale)
 
+    window = 256  # GPT-Neo's config.window_size
+    local = causal & ~causal.tril(-window)
+
+    def eager_window():
+        return F.softmax(torch.where(local, scores * scale, torch.finfo(dtype).min), dim=-1)
+
+    def fused_window():
+        return scaled_masked_softmax(scores, None, scale, causal=True, window=window)
+
     check("causal softmax", fused_causal(), eager_causal(), atol=1e-3)
     check("padding softmax", fused_padding(), eager_padding(), atol=1e-3)
+    check("sliding-window softmax", fused_window(), eager_window(), atol=1e-3)
     report("causal, forward", cuda_ms(eager_causal, **timing), cuda_ms(fused_causal, **timing))
     report(
         "causal, fwd+bwd",
@@ -172,6 +182,11 @@ def bench_softmax(batch: int, seq: int, dtype: torch.dtype, timing: dict) -> Non
     )
     report(
         "boolean padding mask, forward", cuda_ms(eager_padding, **timing), cuda_ms(fused_padding, **timing)
+    )
+    report(
+        f"sliding window {window}, fwd+bwd",
+        cuda_ms(forward_backward(eager_window, [scores]), **timing),
+        cuda_ms(forward_backward(fused_window, [scores]), **timing),
     )
 
 

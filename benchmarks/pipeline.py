@@ -31,7 +31,6 @@ import torch.distributed as dist
 import transformers
 
 import oslo
-from oslo.models.gpt2 import _stage_layers
 
 FLOOR_TARGET = 1.05  # fullest stage / floor, balanced partition
 
@@ -56,7 +55,7 @@ def part_a(config) -> bool:
     for pp in (2, 4):
         per_stage = bench.launch(_stage_bytes, pp, config)
         floor = (total + wte) / pp
-        layers = [len(r) for r in _stage_layers(config, pp, config.vocab_size * config.n_embd)]
+        layers = [len(r) for r in oslo.GPT2LMHeadModel.pipeline_partition(config, pp)]
         uniform = _uniform_stage_bytes(config, pp, total, wte)
         ratio = max(per_stage) / floor
         ok &= ratio <= FLOOR_TARGET
@@ -164,7 +163,7 @@ def part_c(config, batch: int, seq: int, micro: int, iters: int) -> None:
     pp = 2
     micro_batches = batch // micro
     block, head = _flops(config, seq)
-    layers = [len(r) for r in _stage_layers(config, pp, config.vocab_size * config.n_embd)]
+    layers = [len(r) for r in oslo.GPT2LMHeadModel.pipeline_partition(config, pp)]
     stage_flops = [n * block for n in layers]
     stage_flops[-1] += head
     ideal = sum(stage_flops) / (max(stage_flops) * (micro_batches + pp - 1) / micro_batches)

@@ -157,9 +157,9 @@ def _bubble_rank(rank: int, world_size: int, m: int, t_forward: float, steps: in
     weight = torch.ones(4, 8, requires_grad=True)  # something on every stage for the backward to reach
     inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
-    def stage_forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
-        x = (inputs if received is None else received) * weight
-        return _SimulatedCompute.apply(x, t_forward, spin)
+    def stage_forward(i: int, received: dict | None) -> dict:
+        x = (inputs if received is None else received["hidden_states"]) * weight
+        return {"hidden_states": _SimulatedCompute.apply(x, t_forward, spin)}
 
     timelines = []
     for _ in range(steps + 1):  # the first is the warm-up
@@ -168,7 +168,7 @@ def _bubble_rank(rank: int, world_size: int, m: int, t_forward: float, steps: in
         schedule = pipeline_schedule(
             context, m, stage_forward,
             micro_output=lambda result, loss: loss,
-            last_stage_loss=lambda result: result.sum(),
+            last_stage_loss=lambda result: result["hidden_states"].sum(),
             after_step=lambda scaled: None,
             timeline=timeline,
         )

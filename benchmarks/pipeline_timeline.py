@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 import oslo
-from oslo.models.gpt2 import _stage_layers
 
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452"}
 
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = min(e[2] for stage in events for e in stage)
     span = max(e[3] for stage in events for e in stage) - t0
     theory = (p - 1) / (m + p - 1)
-    planned = [len(r) for r in _stage_layers(config, p, config.vocab_size * config.n_embd)]
+    planned = [len(r) for r in oslo.GPT2LMHeadModel.pipeline_partition(config, p)]
     print(f"\nstep span {span * 1e3:.1f} ms (earliest event start to latest event end, all stages)")
     print("    stage  blocks  holds              busy ms    idle ms   idle fraction   fwd ms/mb   bwd ms/mb")
     idle_fractions = []

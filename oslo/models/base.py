@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import zlib
@@ -20,6 +21,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
+from oslo.models.body import StagedBody
 from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs, embedding_index_error
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
@@ -28,13 +30,18 @@ from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_ov
 from oslo.parallel.failure import call_watch
 from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
+    _STAGE_PLAN,
     PipelineStep,
+    StageLayers,
     StageLink,
     TimelineEvent,
+    active_stage_plan,
     close_open_step,
+    partition_costs,
     pipeline_pass,
     pipeline_schedule,
     split_micro_batches,
+    stage_plan,
 )
 from oslo.parallel.plan import ShardSpec, parameter_specs
 
@@ -114,6 +121,52 @@ class OsloPreTrainedModel(PreTrainedModel):
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
         self.pipeline_timeline: list[TimelineEvent] | None = None
         self._overflow_check_pending = False
+        # The outermost model of a pipelined build measures its stages first (the body it builds, and
+        # that body's StageLayers, then take their layers from the plan; post_init drops it).
+        plan = active_stage_plan()
+        if self.parallel_context.pipeline_parallel_size > 1 and (plan is None or plan.config is not config):
+            ranges = type(self).pipeline_partition(config, self.parallel_context.pipeline_parallel_size)
+            self._stage_plan_token = stage_plan(ranges, config)
+
+    def post_init(self):
+        super().post_init()
+        token = self.__dict__.pop("_stage_plan_token", None)
+        if token is not None:
+            _STAGE_PLAN.reset(token)
+
+    @classmethod
+    def pipeline_partition(cls, config: PretrainedConfig, pipeline_parallel_size: int) -> list[range]:
+        """The layers each pipeline stage of this class holds, balancing parameters: the class is built
+        once on the meta device without pipelines, its layers' parameters are counted, and so are those
+        before the first layer (embeddings: the first stage) and after the last (final norm, head, the
+        tied copy of the embeddings: the last stage). Nothing is allocated.
+
+        Returns:
+            One ``range`` of global layer indices per stage (over every :class:`StageLayers` of the model,
+            in construction order).
+        """
+        token = stage_plan(None)
+        try:
+            with torch.device("meta"):
+                model = cls(config, parallel_context=ParallelContext.planning())
+        finally:
+            _STAGE_PLAN.reset(token)
+        containers = [name for name, module in model.named_modules() if isinstance(module, StageLayers)]
+        offsets, total = {}, 0
+        for name in containers:
+            offsets[name] = total
+            total += model.get_submodule(name).num_layers
+        costs, before, after = [0.0] * total, 0.0, 0.0
+        for name, param in model.named_parameters(remove_duplicate=False):  # a tied copy weighs on its stage
+            container = next((c for c in containers if name.startswith(c + ".")), None)
+            if container is not None:
+                costs[offsets[container] + int(name[len(container) + 1:].split(".")[0])] += param.numel()
+            elif not any(costs):
+                before += param.numel()
+            else:
+                after += param.numel()
+        return partition_costs(costs, validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
+                               before, after)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Rows per micro-batch of pipeline parallelism (no effect without it)."""
@@ -263,7 +316,6 @@ class OsloPreTrainedModel(PreTrainedModel):
     # ---- body + head, with or without pipeline stages ------------------------------------------
     # Inputs of the head that, all given, make a training step under pipeline parallelism (a loss).
     _pipeline_loss_inputs: tuple[str, ...] = ("labels",)
-    _PER_LAYER_OUTPUTS = ("past_key_values", "hidden_states", "attentions")
 
     def _new_cache(self):
         """A fresh KV cache for a pipeline stage (architectures with another cache type override)."""
@@ -283,13 +335,14 @@ class OsloPreTrainedModel(PreTrainedModel):
         loss_items: Callable[[dict], dict[str, torch.Tensor]] | None = None,
         num_items_in_batch=None,
     ):
-        """Run ``body`` (the transformer) and ``head`` on its last hidden state.
+        """Run ``body`` (the transformer, a :class:`~oslo.models.body.StagedBody`) and ``head`` on its output.
 
-        Without pipeline parallelism this is ``head(body(**inputs).last_hidden_state, ...)``. With it,
-        the body runs stage by stage and the head on the last stage: a call that has the loss inputs
-        (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B micro-batch outputs
-        (a :class:`~oslo.parallel.pipeline.PipelineStep`, each output holding ``loss``); any other call
-        is one pass without gradients whose outputs every stage receives.
+        Without pipeline parallelism this is ``head(body(**inputs), ...)``. With it, the runner calls the
+        body's steps stage by stage (``prepare`` on every stage, ``embed`` on the first, ``run_layers``,
+        ``finish`` and the head on the last) and passes the body's payload between stages: a call that has
+        the loss inputs (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B micro-batch
+        outputs (a :class:`~oslo.parallel.pipeline.PipelineStep`, each output holding ``loss``); any other
+        call is one pass without gradients whose outputs every stage receives.
 
         Losses average as one process averages the whole batch: each loss output is the mean over
         its own (micro-)batch's items, and its gradient is the sum's share of the whole step's items
@@ -297,14 +350,15 @@ class OsloPreTrainedModel(PreTrainedModel):
         gradients after the step equal those of the global batch on one process.
 
         Args:
-            body: Called as ``body(**inputs, past_key_values=..., use_cache=..., return_dict=True, ...)``;
-                under pipelines also with ``stage_input`` (what the previous stage sent) and
-                ``pipeline_stage=True``.
+            body: The body module; called whole as ``body(**inputs, past_key_values=..., use_cache=...,
+                return_dict=True, **body_kwargs)``, or step by step under pipelines.
             inputs: The body's batch inputs (``input_ids``, ``attention_mask``, ...; ``None`` allowed).
             head_inputs: Batch tensors only the head uses (``labels``, ``mc_token_ids``, ...).
-            head: ``head(hidden_states, inputs, head_inputs, outputs_needed)`` returns the output fields
-                other than the per-layer ones, losses as :class:`~oslo.parallel.loss.LossSum`;
-                ``outputs_needed=False`` (pipeline training) means only ``loss`` is used.
+            head: ``head(outputs, inputs, head_inputs, outputs_needed)``, ``outputs`` being the body's whole
+                ``ModelOutput`` (``last_hidden_state``, ``pooler_output``...), returns the output fields it
+                computes, losses as :class:`~oslo.parallel.loss.LossSum`; fields it leaves out are taken
+                from the body's output (hidden states, attentions). ``outputs_needed=False`` (pipeline
+                training) means only ``loss`` is used.
             output_class: The transformers ``ModelOutput`` to return.
             loss_items: ``loss_items(batch)`` gives, for each loss the head returns, its item counts
                 per term in ``batch`` (a dict of the inputs and head inputs), from the labels alone.
@@ -322,6 +376,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
         has_loss_inputs = any(value is not None for value in head_inputs.values())
 
+        def with_body_fields(values: dict, outputs) -> dict:
+            for name in fields:
+                if name not in values and getattr(outputs, name, None) is not None:
+                    values[name] = getattr(outputs, name)
+            return values
+
         if context.pipeline_parallel_size == 1:
             divisors = None
             if ddp is not None and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
@@ -330,37 +390,38 @@ class OsloPreTrainedModel(PreTrainedModel):
             on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
             outputs = body(**inputs, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
                            **body_kwargs)
-            values = head(outputs.last_hidden_state, inputs, head_inputs, True)
+            values = head(outputs, inputs, head_inputs, True)
             self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
-            values.update({name: getattr(outputs, name) for name in self._PER_LAYER_OUTPUTS if name in fields})
-            output = output_class(**values)
+            output = output_class(**with_body_fields(values, outputs))
             return output if return_dict else output.to_tuple()
 
         # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
-        per_layer = [
-            name for name in ("hidden_states", "attentions")
-            if name in fields and (body_kwargs.get(f"output_{name}") if body_kwargs.get(f"output_{name}") is not None
-                                   else getattr(self.config, f"output_{name}", False))
-        ]
+        per_layer_fields = [name for name in body.per_layer_outputs if name in fields]
         stage_outputs: dict[str, tuple] = {}
+        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
 
         def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
             body_inputs = {name: batch.get(name) for name in inputs}
             with self._model_call():  # a part of this call (the schedule runs it later): no input check
-                outputs = body(**body_inputs, past_key_values=cache, use_cache=cache is not None, return_dict=True,
-                               stage_input=received, pipeline_stage=True, **body_kwargs)
-            stage_outputs.update({name: getattr(outputs, name) for name in per_layer})
-            if not context.is_pipeline_last_stage():
-                return outputs.last_hidden_state
-            values = head(outputs.last_hidden_state, body_inputs, {name: batch.get(name) for name in head_inputs},
-                          outputs_needed)
+                state = body.prepare(**body_inputs, past_key_values=cache, use_cache=cache is not None,
+                                     return_dict=True, **body_kwargs)
+                payload = body.run_layers(body.embed(state) if first else received, state)
+                outputs = body.finish(payload, state) if last else None
+            stage_outputs.update({name: getattr(state, name) for name in per_layer_fields
+                                  if getattr(state, name, None) is not None})
+            if not last:
+                return payload
+            values = head(outputs, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
             return self._average_losses(values, batch, loss_items, num_items_in_batch, divisors)
 
         def wrap(output):
             return output if return_dict else output.to_tuple()
 
         if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
-            if past_key_values is not None or per_layer:
+            asked = [name for name in per_layer_fields
+                     if (body_kwargs.get(f"output_{name}") if body_kwargs.get(f"output_{name}") is not None
+                         else getattr(self.config, f"output_{name}", False))]
+            if past_key_values is not None or asked:
                 raise NotImplementedError(
                     "past_key_values, output_hidden_states and output_attentions are not supported in a pipeline "
                     "training step (its micro-batch outputs hold the loss); run the model under torch.no_grad() "
@@ -368,7 +429,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 )
             micro_batches = split_micro_batches(batch, self.micro_batch_size)
             divisors = None
-            if context.is_pipeline_last_stage() and loss_items is not None and num_items_in_batch is None:
+            if last and loss_items is not None and num_items_in_batch is None:
                 divisors = self._step_divisors(loss_items, micro_batches)
             average_replicas = True
             if ddp is not None:
@@ -392,22 +453,47 @@ class OsloPreTrainedModel(PreTrainedModel):
                     last_stage_loss=lambda values: values["loss"],
                     after_step=self.pipeline_gradient_reduction(average_replicas, half),
                     timeline=self.pipeline_timeline,
+                    payload=body.stage_payload,
                 )
 
             return PipelineStep(steps(), context)
 
-        # One pass without gradients. Each stage caches its own layers' keys and values.
+        # One pass without gradients. Each stage caches its own layers' keys and values (bodies that cache).
         cache = past_key_values
-        use_cache = "past_key_values" in fields and (use_cache if use_cache is not None else self.config.use_cache)
+        use_cache = "past_key_values" in fields and body.builds_cache() and (
+            use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and cache is None:
             cache = self._new_cache()
-        names = [name for name in fields if name not in self._PER_LAYER_OUTPUTS]
-        values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names)
+        names = [name for name in fields if name not in per_layer_fields and name != "past_key_values"]
+        values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names,
+                               payload=body.stage_payload)
         link = StageLink(context)
-        values.update({name: link.gather_stages(stage_outputs[name]) for name in per_layer})
+        gathered = [name for name in per_layer_fields if name in stage_outputs]
+        values.update({name: link.gather_stages(stage_outputs[name]) for name in gathered})
         if "past_key_values" in fields:
             values["past_key_values"] = cache if use_cache else None
         return wrap(output_class(**values))
+
+    def _pipelined_body_call(self, *args, **kwargs):
+        """A body called by the user under pipeline parallelism: one pass without gradients over every
+        stage (the body's own ``forward`` is single-device code); every stage returns the output."""
+        bound = inspect.signature(self.forward).bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.update(arguments.pop("kwargs", {}))
+        options = {"past_key_values", "use_cache", "return_dict"}
+        inputs = {name: value for name, value in arguments.items()
+                  if name not in options and (value is None or isinstance(value, torch.Tensor))}
+        body_kwargs = {name: value for name, value in arguments.items() if name not in options and name not in inputs}
+        per_layer = set(self.per_layer_outputs) | {"past_key_values"}
+
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            return {name: value for name, value in outputs.items() if name not in per_layer}
+
+        return self._forward_with_head(
+            self, inputs, {}, head, self.output_class,
+            past_key_values=arguments.get("past_key_values"), use_cache=arguments.get("use_cache"),
+            return_dict=arguments.get("return_dict"), body_kwargs=body_kwargs,
+        )
 
     # ---- parallel plumbing -------------------------------------------------------------------
     @property
@@ -429,7 +515,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 context.in_model_call = False
 
     @contextmanager
-    def _user_call(self, args: tuple, kwargs: dict) -> Iterator[None]:
+    def _user_call(self, args: tuple, kwargs: dict) -> Iterator[bool]:
         """Around a call of the model (``__call__``, ``generate``): the outermost one first checks that
         every rank of the tensor/pipeline-parallel group got the same inputs (the first communication
         of the call; calls nested in it, such as the body's or generate()'s steps, are not checked),
@@ -454,14 +540,16 @@ class OsloPreTrainedModel(PreTrainedModel):
                 raise error
             try:
                 with context.rng.replicated():
-                    yield
+                    yield outermost
             except BaseException as exc:
                 if watch is not None:  # a failure past the input check: see oslo.parallel.failure
                     watch.failed(exc)
                 raise
 
     def __call__(self, *args, **kwargs):
-        with self._user_call(args, kwargs):
+        with self._user_call(args, kwargs) as outermost:
+            if outermost and isinstance(self, StagedBody) and self.parallel_context.pipeline_parallel_size > 1:
+                return self._pipelined_body_call(*args, **kwargs)
             return super().__call__(*args, **kwargs)
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
@@ -644,7 +732,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         if attn_implementation is not None:
             config._attn_implementation = attn_implementation
         with torch.device("meta"):
-            model = cls(config, parallel_context=context)
+            model = cls(config, parallel_context=context)  # its stages' layers: see pipeline_partition
         # Only this rank's shards are ever allocated. Leaving meta creates new parameter objects,
         # which unties shared weights: tie them again.
         model = model.to(dtype).to_empty(device=context.device)

@@ -24,7 +24,6 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
-    CausalLMOutputWithCrossAttentions,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import (
@@ -34,13 +33,17 @@ from transformers.models.gpt2.modeling_gpt2 import (
 )
 
 from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
-from oslo.models.base import OsloPreTrainedModel, logits_not_gathered
+from oslo.models.base import OsloPreTrainedModel
+from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.heads import (
+    CausalLMHead,
     QuestionAnsweringHead,
     SequenceClassificationHead,
     TokenClassificationHead,
     body_inputs,
     class_items,
+    gather_logits_by_default,
+    output_class_for,
 )
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
@@ -51,7 +54,7 @@ from oslo.parallel.layers import (
 )
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
 from oslo.parallel.mappings import gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers, partition_layers
+from oslo.parallel.pipeline import StageLayers
 
 
 class GPT2Attention(nn.Module):
@@ -250,37 +253,21 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
         return self.config.initializer_range
 
 
-def _stage_layers(config: GPT2Config, stages: int, head_parameters: int) -> list[range]:
-    """Blocks per pipeline stage, balancing parameters: the first stage also holds the embeddings, the
-    last the head (an LM head's vocabulary matrix weighs about four gpt2-medium blocks)."""
-    width = config.hidden_size
-    inner = config.n_inner if config.n_inner is not None else 4 * width
-    block = 4 * width * width + 2 * width * inner + 9 * width + inner
-    embeddings = (config.vocab_size + config.max_position_embeddings) * width
-    return partition_layers(config.num_hidden_layers, stages, embeddings / block, (head_parameters + 2 * width) / block)
-
-
-class GPT2Model(GPT2PreTrainedModel):
-    def __init__(
-        self, config: GPT2Config, parallel_context: ParallelContext | None = None, head_parameters: int = 0
-    ) -> None:
-        """``head_parameters``: size of the head a model class puts after this body (on the last
-        pipeline stage), so that the stages are balanced."""
+class GPT2Model(StagedBody, GPT2PreTrainedModel):
+    def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.embed_dim = config.hidden_size
         # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
         # its range of blocks, the final LayerNorm on the last.
         first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
-        layers = _stage_layers(config, context.pipeline_parallel_size, head_parameters)
         self.wte = (
             VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
         )
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
         self.drop = nn.Dropout(config.embd_pdrop)
-        own = layers[context.pipeline_parallel_rank]
-        self.h = StageLayers({i: GPT2Block(config, i, context, cache_idx=i - own.start) for i in own},
-                             num_layers=config.num_hidden_layers)
+        self.h = StageLayers.build(config.num_hidden_layers,
+                                   lambda i, slot: GPT2Block(config, i, context, cache_idx=slot), context)
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -303,30 +290,31 @@ class GPT2Model(GPT2PreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        stage_input: torch.Tensor | None = None,
-        pipeline_stage: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """As transformers' ``GPT2Model.forward``.
+        """As transformers' ``GPT2Model.forward`` (under pipeline parallelism: one pass without
+        gradients over every stage, whose output every stage returns)."""
+        return self.run(self.prepare(
+            input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            return_dict=return_dict, **kwargs,
+        ))
 
-        Under pipeline parallelism a call runs every stage and returns the last hidden state on all of
-        them (without gradients). Internally each stage runs this with ``pipeline_stage=True``: stages
-        after the first take the previous stage's output as ``stage_input`` (the inputs still give
-        shapes and masks), and only the last applies ``ln_f``.
-        """
-        if self.parallel_context.pipeline_parallel_size > 1 and not pipeline_stage:
-            return self._forward_with_head(
-                self,
-                body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
-                {},
-                lambda hidden_states, inputs, head_inputs, outputs_needed: {"last_hidden_state": hidden_states},
-                BaseModelOutputWithPastAndCrossAttentions,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                return_dict=return_dict,
-                body_kwargs=dict(output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                                 **kwargs),
-            )
+    def prepare(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> BodyState:
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         if self.gradient_checkpointing and self.training:
@@ -335,8 +323,6 @@ class GPT2Model(GPT2PreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         )
-        return_dict = return_dict if return_dict is not None else config.return_dict
-
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if input_ids is not None:
@@ -344,161 +330,77 @@ class GPT2Model(GPT2PreTrainedModel):
             input_ids = input_ids.view(-1, input_shape[-1])
         else:
             input_shape = inputs_embeds.shape[:-1]
-        batch_size = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+            inputs_embeds = inputs_embeds.view(-1, input_shape[-1], inputs_embeds.shape[-1])
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, input_shape[-1])
-
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)  # each rank caches its own heads
-        if stage_input is not None:  # a later pipeline stage: the mask is built from this stage's input
-            stage_input = stage_input.view(-1, input_shape[-1], stage_input.shape[-1])  # (B * choices, T, C)
-            inputs_embeds = stage_input
-        elif inputs_embeds is None:
-            inputs_embeds = self.wte(input_ids)  # (B, T, C)
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        if stage_input is None:
-            hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
-
+            position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]
         if attention_mask is not None and attention_mask.ndim < 4:
-            attention_mask = attention_mask.view(batch_size, -1)
+            attention_mask = attention_mask.view(embeds.shape[0], -1)
         causal_mask = create_causal_mask(
             config=config,
-            inputs_embeds=inputs_embeds,
+            inputs_embeds=embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        if stage_input is None:
-            if token_type_ids is not None:
-                hidden_states = hidden_states + self.wte(token_type_ids)
-            hidden_states = self.drop(hidden_states)
-        else:
-            hidden_states = stage_input
+        return BodyState(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
+            input_shape=input_shape, position_ids=position_ids, causal_mask=causal_mask,
+            past_key_values=past_key_values, use_cache=use_cache, output_attentions=output_attentions,
+            return_dict=return_dict if return_dict is not None else config.return_dict, kwargs=kwargs,
+            hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
+        )
 
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+        inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
+        hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
+        if state.token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(state.token_type_ids)
+        return {"hidden_states": self.drop(hidden_states)}
+
+    def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
+        hidden_states = payload["hidden_states"]
         for block in self.h:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+            if state.hidden_states is not None:
+                state.hidden_states += (hidden_states,)
             hidden_states, attn_weights = block(
                 hidden_states,
-                past_key_values=past_key_values,
-                attention_mask=causal_mask,
-                output_attentions=output_attentions,
-                position_ids=position_ids,
-                **kwargs,
+                past_key_values=state.past_key_values,
+                attention_mask=state.causal_mask,
+                output_attentions=state.output_attentions,
+                position_ids=state.position_ids,
+                **state.kwargs,
             )
-            if output_attentions:
-                all_attentions += (attn_weights,)
-        if self.ln_f is not None:
-            hidden_states = self.ln_f(hidden_states)
-        hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
-        if output_hidden_states and self.ln_f is not None:  # earlier stages: the next stage's first input
-            all_hidden_states += (hidden_states,)
+            if state.attentions is not None:
+                state.attentions += (attn_weights,)
+        return {"hidden_states": hidden_states}
 
-        output = BaseModelOutputWithPastAndCrossAttentions(
+    def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> BaseModelOutputWithPastAndCrossAttentions:
+        hidden_states = self.ln_f(payload["hidden_states"])
+        hidden_states = hidden_states.view(-1, *state.input_shape[1:], hidden_states.size(-1))
+        if state.hidden_states is not None:
+            state.hidden_states += (hidden_states,)
+        return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
+            past_key_values=state.past_key_values if state.use_cache else None,
+            hidden_states=state.hidden_states,
+            attentions=state.attentions,
         )
-        return output if return_dict else output.to_tuple()
 
 
-def _keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """transformers' ``logits_to_keep``: the last n positions (0: all), or the given indices."""
-    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-        return hidden_states[:, -logits_to_keep:, :]
-    if isinstance(logits_to_keep, torch.Tensor):
-        return hidden_states[:, logits_to_keep, :]
-    return hidden_states
-
-
-def _gather_logits(model: nn.Module, gather_logits: bool | None, labels) -> bool:
-    """``gather_logits`` as given, or by default: not in a training call (labels, gradients, train mode),
-    whose loss comes from the vocabulary-split logits and needs no batch x sequence x vocabulary gather."""
-    if gather_logits is not None:
-        return gather_logits
-    return not (labels is not None and torch.is_grad_enabled() and model.training)
-
-
-def _output_class(model: nn.Module, output_class: type, gather: bool, gather_logits: bool | None) -> type:
-    """The output class of a call that gathers the logits or not: when they were skipped by default (a
-    training call), asking the output for them raises an error that says so (pipeline micro-batch
-    outputs carry only the loss anyway)."""
-    if gather or gather_logits is False or model.parallel_context.pipeline_parallel_size > 1:
-        return output_class
-    return logits_not_gathered(output_class)
-
-
-class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
+class GPT2LMHeadModel(CausalLMHead, GPT2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        context = self.parallel_context
-        self.transformer = GPT2Model(config, context, head_parameters=config.vocab_size * config.n_embd)
-        self.lm_head = (
-            VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context)
-            if context.is_pipeline_last_stage() else None
-        )
+        self.transformer = GPT2Model(config, self.parallel_context)
+        self._build_causal_lm_head(config)
         self.post_init()
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        gather_logits: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> CausalLMOutputWithCrossAttentions | tuple:
-        """Causal language modeling, as transformers' ``GPT2LMHeadModel.forward``.
-
-        The loss is computed on vocabulary-split logits (no gather). The full logits are gathered for
-        the output except in a training call (``labels`` given, gradients enabled, ``model.train()``),
-        whose output then has no ``logits`` (asking for them raises an error naming
-        ``gather_logits=True``). ``gather_logits=True`` / ``False`` gathers them always / never
-        (``logits`` is then ``None``).
-
-        Under pipeline parallelism, a call with ``labels`` while gradients are enabled returns the
-        micro-batch outputs of a training step (see :func:`oslo.parallel.pipeline.pipeline_schedule`); any
-        other call runs the whole batch through the stages without gradients and returns the usual
-        output on every stage.
-        """
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        if labels is not None:
-            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
-        gather = _gather_logits(self, gather_logits, labels)
-
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            local_logits = self.lm_head(_keep_last(hidden_states, logits_to_keep))  # (B, T, V_local)
-            loss = None
-            if head_inputs["labels"] is not None:
-                loss = LossSum(self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
-            logits = self.lm_head.gather(local_logits) if gather and outputs_needed else None
-            return {"loss": loss, "logits": logits}
-
-        return self._forward_with_head(
-            self.transformer,
-            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
-            {"labels": labels},
-            head,
-            _output_class(self, CausalLMOutputWithCrossAttentions, gather, gather_logits),
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            return_dict=return_dict,
-            body_kwargs=kwargs,
-            loss_items=lambda batch: {"loss": causal_lm_items(batch["labels"])},
-            num_items_in_batch=num_items_in_batch,
-        )
 
 
 class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
@@ -510,7 +412,7 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         super().__init__(config, parallel_context)
         config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
         context = self.parallel_context
-        self.transformer = GPT2Model(config, context, head_parameters=config.vocab_size * config.n_embd)
+        self.transformer = GPT2Model(config, context)
         last = context.is_pipeline_last_stage()
         self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context) if last else None
         self.multiple_choice_head = GPT2SequenceSummary(config) if last else None  # small: replicated
@@ -544,9 +446,10 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
                 "GPT2DoubleHeadsModel with pipeline_parallel_size > 1 trains on the language-modeling loss only: "
                 "pass labels without mc_labels (or evaluate mc_labels under torch.no_grad())."
             )
-        gather = _gather_logits(self, gather_logits, labels)
+        gather = gather_logits_by_default(self, gather_logits, labels)
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):  # hidden_states: (B, choices, T, C)
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            hidden_states = outputs.last_hidden_state  # (B, choices, T, C)
             local_logits = self.lm_head(hidden_states)
             mc_logits = self.multiple_choice_head(hidden_states, head_inputs["mc_token_ids"]).squeeze(-1)
             mc_loss = None
@@ -573,7 +476,7 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
             head,
-            _output_class(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
+            output_class_for(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,

@@ -26,14 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import (
+    CausalLMOutputWithCrossAttentions,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
 
-from oslo.parallel.loss import LossSum, check_labels
+from oslo.models.base import logits_not_gathered
+from oslo.parallel.layers import VocabParallelLMHead
+from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
 
 __all__ = [
+    "CausalLMHead",
     "QuestionAnsweringHead",
     "SequenceClassificationHead",
     "TokenClassificationHead",
@@ -63,6 +67,114 @@ class ClassifierDropout:
         return 0.1
 
 
+def keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep``: the last n positions (0: all), or the given indices."""
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        return hidden_states[:, -logits_to_keep:, :]
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden_states[:, logits_to_keep, :]
+    return hidden_states
+
+
+def gather_logits_by_default(model: nn.Module, gather_logits: bool | None, labels) -> bool:
+    """``gather_logits`` as given, or by default: not in a training call (labels, gradients, train mode),
+    whose loss comes from the vocabulary-split logits and needs no batch x sequence x vocabulary gather."""
+    if gather_logits is not None:
+        return gather_logits
+    return not (labels is not None and torch.is_grad_enabled() and model.training)
+
+
+def output_class_for(model: nn.Module, output_class: type, gather: bool, gather_logits: bool | None) -> type:
+    """The output class of a call that gathers the logits or not: when they were skipped by default (a
+    training call), asking the output for them raises an error that says so (pipeline micro-batch
+    outputs carry only the loss anyway)."""
+    if gather or gather_logits is False or model.parallel_context.pipeline_parallel_size > 1:
+        return output_class
+    return logits_not_gathered(output_class)
+
+
+class CausalLMHead:
+    """Next-token prediction over a vocabulary split across tensor-parallel ranks.
+
+    The loss is computed on vocabulary-split logits (no gather). The full logits are gathered for the
+    output except in a training call (``labels`` given, gradients enabled, ``model.train()``), whose
+    output then has no ``logits`` (asking for them raises an error naming ``gather_logits=True``).
+    ``gather_logits=True`` / ``False`` gathers them always / never (``logits`` is then ``None``).
+
+    An architecture builds ``self.lm_head`` with :meth:`_build_causal_lm_head` (a
+    :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage, tied to the input embeddings
+    through ``_tied_weights_keys``), or overrides :meth:`_lm_logits` and :meth:`_vocab_projection` when
+    its prediction head is more than a projection (BERT's transform + decoder).
+    """
+
+    _lm_output_class: type = CausalLMOutputWithCrossAttentions
+
+    def _build_causal_lm_head(self, config, bias: bool = False) -> None:
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.lm_head = (
+            VocabParallelLMHead(config.hidden_size, config.vocab_size, bias, parallel_context=self.parallel_context)
+            if last else None
+        )
+
+    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
+        return self.lm_head(hidden_states)
+
+    def _vocab_projection(self) -> VocabParallelLMHead:
+        """The vocabulary-split projection (its ``causal_lm_loss`` and ``gather``)."""
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        gather_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """Causal language modeling, as transformers' ``...ForCausalLM.forward`` (see the class).
+
+        Under pipeline parallelism, a call with ``labels`` while gradients are enabled returns the
+        micro-batch outputs of a training step (see :func:`oslo.parallel.pipeline.pipeline_schedule`); any
+        other call runs the whole batch through the stages without gradients and returns the usual
+        output on every stage.
+        """
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
+        gather = gather_logits_by_default(self, gather_logits, labels)
+
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            projection = self._vocab_projection()
+            local_logits = self._lm_logits(keep_last(outputs.last_hidden_state, logits_to_keep))  # (B, T, V_local)
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = LossSum(projection.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
+            logits = projection.gather(local_logits) if gather and outputs_needed else None
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            output_class_for(self, self._lm_output_class, gather, gather_logits),
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": causal_lm_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
 class TokenClassificationHead(ClassifierDropout):
     """A class per token: dropout, then a linear layer on every position's hidden state."""
 
@@ -89,8 +201,8 @@ class TokenClassificationHead(ClassifierDropout):
         if labels is not None:
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            logits = self.classifier(self.dropout(hidden_states))
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            logits = self.classifier(self.dropout(outputs.last_hidden_state))
             loss = None
             if head_inputs["labels"] is not None:
                 labels = head_inputs["labels"].to(logits.device)
@@ -147,8 +259,8 @@ class SequenceClassificationHead:
                 f"{batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
             )
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            logits = self.score(hidden_states)  # (B, T, num_labels)
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            logits = self.score(outputs.last_hidden_state)  # (B, T, num_labels)
             input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
             if pad_token_id is None or input_ids is None:
                 last_token = -1
@@ -205,8 +317,8 @@ class QuestionAnsweringHead:
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
 
-        def head(hidden_states, inputs, head_inputs, outputs_needed):
-            start_logits, end_logits = self.qa_outputs(hidden_states).split(1, dim=-1)
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
             start_logits = start_logits.squeeze(-1).contiguous()
             end_logits = end_logits.squeeze(-1).contiguous()
             loss = None

@@ -211,6 +211,25 @@ class ParallelContext:
         self.seed = seed
         self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device)
 
+    @classmethod
+    def planning(cls) -> ParallelContext:
+        """A single-rank context that never communicates, whatever the process's distributed state: for
+        building a model on the meta device to measure it (pipeline stage costs), not for running one."""
+        context = cls.__new__(cls)
+        context.world_size, context.rank, context.timeout = 1, 0, DEFAULT_TIMEOUT
+        context.device = torch.device("cpu")
+        context.tensor_parallel_size = context.pipeline_parallel_size = context.data_parallel_size = 1
+        context.tensor_parallel_rank = context.pipeline_parallel_rank = context.data_parallel_rank = 0
+        context.model_parallel_rank = 0
+        context.in_model_call = False
+        context._tp_ranks = context._pp_ranks = context._dp_ranks = context._mp_ranks = [0]
+        context._embedding_ranks = [0, 0]
+        context.world_group = context.tensor_parallel_group = context.pipeline_parallel_group = None
+        context.data_parallel_group = context.model_parallel_group = context.embedding_group = None
+        context.seed = 0
+        context.rng = ParallelRNG(0, 0, context.device)
+        return context
+
     def _default_device(self) -> torch.device:
         if dist.is_initialized() and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())

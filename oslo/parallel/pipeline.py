@@ -28,6 +28,7 @@ same tensor- and data-parallel rank in the neighbouring stages.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 import math
@@ -54,6 +55,8 @@ __all__ = [
     "StageLayers",
     "StageLink",
     "partition_layers",
+    "partition_costs",
+    "stage_plan",
     "pipeline_pass",
     "pipeline_schedule",
     "split_micro_batches",
@@ -61,7 +64,11 @@ __all__ = [
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _MAX_DIMS = 8
-_HEADER = 4 + _MAX_DIMS  # int64: code, dtype, dims, shape..., length of what follows (an abort's message)
+_MAX_TENSORS = 4  # tensors in one message (a payload of named tensors between stages)
+_SLOT = 2 + _MAX_DIMS  # int64 per tensor in a header: dtype (-1: none), dims, shape...
+# int64: code, count, length (of an abort's message that follows; else 1 when one bare tensor was sent, not a
+# list), then one slot per tensor
+_HEADER = 3 + _MAX_TENSORS * _SLOT
 _TRAILER = 32  # bytes after a packed tensor: int64 code, int64 length, 2 x float64 values sent along
 _OK = 0
 _ABORT = -1  # code: the sender failed, a message follows instead of a tensor
@@ -111,6 +118,68 @@ def partition_layers(
     return ranges
 
 
+def partition_costs(
+    costs: list[float], num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[range]:
+    """Contiguous ranges of layer indices, one per stage, for layers of the given ``costs`` (parameter
+    counts): the largest stage (its layers + its extra) is as small as it can be. Layers of equal cost
+    give :func:`partition_layers`' partition; unequal ones (an encoder-decoder's blocks) are placed
+    greedily, each stage taking as many as fit under the smallest feasible cap."""
+    num_layers = len(costs)
+    if num_layers < num_stages:
+        partition_layers(num_layers, num_stages)  # raises the error that says so
+    if len(set(costs)) <= 1:
+        block = costs[0] if costs and costs[0] > 0 else 1.0
+        return partition_layers(num_layers, num_stages, first_extra / block, last_extra / block)
+    extras = [0.0] * num_stages
+    extras[0] += first_extra
+    extras[-1] += last_extra
+
+    def fit(cap: float) -> list[int] | None:
+        counts, start = [], 0
+        for stage in range(num_stages):
+            left = num_stages - stage - 1  # stages after this one, each needing a layer
+            load, count = extras[stage], 0
+            while start + count < num_layers - left and (count == 0 or load + costs[start + count] <= cap + 1e-9):
+                load += costs[start + count]
+                count += 1
+            if load > cap + 1e-9:
+                return None
+            counts.append(count)
+            start += count
+        return counts if start == num_layers else None
+
+    sums = {extra + sum(costs[i:j]) for extra in set(extras) for i in range(num_layers)
+            for j in range(i + 1, num_layers + 1)}
+    counts = next(counts for cap in sorted(sums) if (counts := fit(cap)) is not None)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+class _StagePlan:
+    """The layer ranges of every stage of a model being built, over the concatenation of its
+    :class:`StageLayers` containers in construction order (T5: encoder blocks, then decoder blocks)."""
+
+    def __init__(self, ranges: list[range], config: Any) -> None:
+        self.ranges, self.config, self.offset = ranges, config, 0
+
+
+_STAGE_PLAN: contextvars.ContextVar[_StagePlan | None] = contextvars.ContextVar("oslo_stage_plan", default=None)
+
+
+def stage_plan(ranges: list[range] | None, config: Any = None):
+    """Make ``ranges`` (layers per stage, from measured costs) the partition that the :class:`StageLayers`
+    built until the returned token is reset take their layers from. Returns the token."""
+    return _STAGE_PLAN.set(_StagePlan(ranges, config) if ranges is not None else None)
+
+
+def active_stage_plan() -> _StagePlan | None:
+    return _STAGE_PLAN.get()
+
+
 class StageLayers(nn.Module):
     """The blocks of one pipeline stage, registered under their global indices.
 
@@ -131,6 +200,27 @@ class StageLayers(nn.Module):
         for index, layer in layers.items():
             self.add_module(str(index), layer)
         self.num_layers = num_layers if num_layers is not None else max(layers, default=-1) + 1
+
+    @classmethod
+    def build(cls, num_layers: int, make_layer: Callable[[int, int], nn.Module], context: ParallelContext
+              ) -> StageLayers:
+        """This stage's layers of a model of ``num_layers``: ``make_layer(index, slot)`` builds layer
+        ``index`` (global), ``slot`` being its position on this stage (its slot in the stage's KV cache).
+
+        Which layers a stage holds comes from the plan of the model being built (see
+        :meth:`~oslo.models.base.OsloPreTrainedModel.pipeline_partition`: stage costs measured on the meta
+        device); without one, the layers are split evenly."""
+        if context.pipeline_parallel_size == 1:
+            own = range(num_layers)
+        else:
+            plan = _STAGE_PLAN.get()
+            if plan is None:
+                own = partition_layers(num_layers, context.pipeline_parallel_size)[context.pipeline_parallel_rank]
+            else:
+                mine = plan.ranges[context.pipeline_parallel_rank]
+                start, plan.offset = plan.offset, plan.offset + num_layers
+                own = range(max(mine.start - start, 0), max(min(mine.stop - start, num_layers), 0))
+        return cls({i: make_layer(i, i - own.start) for i in own}, num_layers=num_layers)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
@@ -222,40 +312,67 @@ class StageLink:
         self.received: dict[int, int] = {peer: 0 for peer in (self.prev, self.next) if peer is not None}
 
     @staticmethod
-    def _header(tensor: torch.Tensor | None, code: int = 0, length: int = 0) -> torch.Tensor:
+    def _header(tensors: list[torch.Tensor | None] | None, code: int = 0, length: int = 0) -> torch.Tensor:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0] = code
-        if tensor is not None:
+        tensors = tensors or []
+        if len(tensors) > _MAX_TENSORS:
+            raise ValueError(f"cannot send {len(tensors)} tensors in one message between pipeline stages "
+                             f"(at most {_MAX_TENSORS}).")
+        header[1] = len(tensors)
+        header[2] = length
+        for i, tensor in enumerate(tensors):
+            slot = 3 + i * _SLOT
+            if tensor is None:
+                header[slot] = -1
+                continue
             if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
                 raise ValueError(
                     f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages."
                 )
-            header[1] = _DTYPES.index(tensor.dtype)
-            header[2] = tensor.dim()
-            header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header[-1] = length
+            header[slot] = _DTYPES.index(tensor.dtype)
+            header[slot + 1] = tensor.dim()
+            header[slot + 2 : slot + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         return header
 
     @staticmethod
-    def _described(header: list[int]) -> tuple[torch.dtype, tuple[int, ...]]:
-        return _DTYPES[header[1]], tuple(header[3 : 3 + header[2]])
+    def _described(header: list[int]) -> list[tuple[torch.dtype, tuple[int, ...]] | None]:
+        described = []
+        for i in range(header[1]):
+            slot = 3 + i * _SLOT
+            if header[slot] < 0:
+                described.append(None)
+            else:
+                described.append((_DTYPES[header[slot]], tuple(header[slot + 2 : slot + 2 + header[slot + 1]])))
+        return described
+
+    @staticmethod
+    def _sizes(described: list[tuple[torch.dtype, tuple[int, ...]] | None]) -> list[int]:
+        """Bytes each tensor of a message takes, rounded up to 8 so every tensor starts aligned."""
+        return [0 if d is None else -(-math.prod(d[1]) * d[0].itemsize // 8) * 8 for d in described]
 
     def _device_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.context.device)
 
-    def _packed(self, tensor: torch.Tensor | None, nbytes: int, code: int, length: int = 0,
+    def _packed(self, tensors: list[torch.Tensor | None] | None, nbytes: int, code: int, length: int = 0,
                 extra: torch.Tensor | None = None) -> torch.Tensor:
-        """``nbytes`` of payload (``tensor``'s bytes, or zeros) followed by the trailer."""
+        """``nbytes`` of payload (the tensors' bytes, each padded to 8, or zeros) followed by the trailer."""
         device = self.context.device
         trailer = torch.zeros(_TRAILER // 8, dtype=torch.float64, device=device)
         trailer[0:2] = torch.tensor([code, length], dtype=torch.int64, device=device).view(torch.float64)
         if extra is not None:
             trailer[2 : 2 + extra.numel()] = extra.detach().reshape(-1).to(device, torch.float64)
-        payload = (
-            tensor.reshape(-1).view(torch.uint8) if tensor is not None
-            else torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        )
-        return torch.cat([payload, trailer.view(torch.uint8)])
+        if tensors is None:
+            return torch.cat([torch.zeros(nbytes, dtype=torch.uint8, device=device), trailer.view(torch.uint8)])
+        parts = []
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            data = tensor.reshape(-1).view(torch.uint8)
+            parts.append(data)
+            if data.numel() % 8:
+                parts.append(torch.zeros(8 - data.numel() % 8, dtype=torch.uint8, device=device))
+        return torch.cat([*parts, trailer.view(torch.uint8)])
 
     def _isend(self, part: torch.Tensor, peer: int) -> None:
         self._pending.append((dist.isend(part, peer), part, peer))
@@ -268,21 +385,25 @@ class StageLink:
             dist.recv(buffer, peer)
         self.received[peer] += 1
 
-    def send(self, tensor: torch.Tensor, peer: int, extra: torch.Tensor | None = None) -> None:
-        """Send ``tensor`` to global rank ``peer`` without waiting for it to arrive; ``extra`` (at most
-        two numbers, e.g. the loss and the backward seed) travels with it."""
-        tensor = self._device_tensor(tensor.detach().contiguous())
+    def send(self, tensors: torch.Tensor | list[torch.Tensor | None], peer: int,
+             extra: torch.Tensor | None = None) -> None:
+        """Send a tensor, or a list of up to four tensors (``None`` allowed), to global rank ``peer``
+        in one message, without waiting for it to arrive; ``extra`` (at most two numbers, e.g. the loss
+        and the backward seed) travels with it. :meth:`recv` returns what was sent, in the same form."""
+        single = isinstance(tensors, torch.Tensor)
+        tensors = [tensors] if single else list(tensors)
+        tensors = [None if t is None else self._device_tensor(t.detach().contiguous()) for t in tensors]
         key = ("send", peer)
-        described = (tensor.dtype, tuple(tensor.shape))
+        described = [None if t is None else (t.dtype, tuple(t.shape)) for t in tensors]
         if key not in self._shapes:
-            self._isend(self._device_tensor(self._header(tensor)), peer)
+            self._isend(self._device_tensor(self._header(tensors, length=int(single))), peer)
             self._shapes[key] = described
         elif self._shapes[key] != described:
             raise ValueError(
                 f"pipeline stage output changed within a step: {described} after {self._shapes[key]}; every "
                 "micro-batch of a step must give tensors of one dtype and shape."
             )
-        self._isend(self._packed(tensor, tensor.numel() * tensor.element_size(), _OK, extra=extra), peer)
+        self._isend(self._packed(tensors, sum(self._sizes(described)), _OK, extra=extra), peer)
 
     def send_abort(self, peer: int, message: str) -> None:
         """Tell ``peer`` that the step failed here, in place of what it would receive next from this rank
@@ -292,8 +413,7 @@ class StageLink:
         if key not in self._shapes:
             first = self._header(None, _ABORT, encoded.numel())
         else:
-            dtype, shape = self._shapes[key]
-            first = self._packed(None, math.prod(shape) * dtype.itemsize, _ABORT, encoded.numel())
+            first = self._packed(None, sum(self._sizes(self._shapes[key])), _ABORT, encoded.numel())
         for part in (first, encoded):
             self._isend(self._device_tensor(part), peer)
 
@@ -303,8 +423,9 @@ class StageLink:
         raise PipelineAbortedError(bytes(message.tolist()).decode())
 
     def recv(self, peer: int, with_extra: bool = False):
-        """Receive the next tensor global rank ``peer`` sent to this rank (with the two ``extra``
-        numbers sent along, as a float64 tensor, when ``with_extra``).
+        """Receive the next message global rank ``peer`` sent to this rank: a tensor, or a list of
+        tensors, as it was sent (with the two ``extra`` numbers sent along, as a float64 tensor, when
+        ``with_extra``).
 
         Raises:
             PipelineAbortedError: ``peer`` failed and sent :meth:`send_abort` instead.
@@ -315,18 +436,27 @@ class StageLink:
             self._recv(header, peer)
             header = header.tolist()
             if header[0] == _ABORT:
-                self._raise_abort(peer, header[-1])
-            self._shapes[key] = self._described(header)
-        dtype, shape = self._shapes[key]
-        nbytes = math.prod(shape) * dtype.itemsize
+                self._raise_abort(peer, header[2])
+            self._shapes[key] = (self._described(header), bool(header[2]))
+        described, single = self._shapes[key]
+        sizes = self._sizes(described)
+        nbytes = sum(sizes)
         packed = self._device_tensor(torch.empty(nbytes + _TRAILER, dtype=torch.uint8))
         self._recv(packed, peer)
-        trailer = packed[nbytes:].clone().view(torch.float64)  # a copy: the offset may not be 8-aligned
+        trailer = packed[nbytes:].view(torch.float64)
         code, length = trailer[:2].view(torch.int64).tolist()
         if code == _ABORT:
             self._raise_abort(peer, length)
-        tensor = packed[:nbytes].view(dtype).view(shape)
-        return (tensor, trailer[2:]) if with_extra else tensor
+        tensors, offset = [], 0
+        for d, size in zip(described, sizes, strict=True):
+            if d is None:
+                tensors.append(None)
+                continue
+            dtype, shape = d
+            tensors.append(packed[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+            offset += size
+        result = tensors[0] if single else tensors
+        return (result, trailer[2:]) if with_extra else result
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Give every stage the last stage's ``tensor``, or ``None`` if it has none."""
@@ -354,7 +484,7 @@ class StageLink:
                 header = self._header(None, _NONE)
             else:
                 tensor = tensor.detach().contiguous()
-                header = self._header(tensor)
+                header = self._header([tensor])
             header = self._device_tensor(header)
         else:
             header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
@@ -364,7 +494,7 @@ class StageLink:
         if values[0] == _NONE:
             return None
         if not is_source:
-            dtype, shape = self._described(values)
+            dtype, shape = self._described(values)[0]
             tensor = torch.empty(shape, dtype=dtype, device=context.device)
         with naming_timeouts(context, f"receiving pipeline stage {stage}'s outputs", group=group):
             dist.broadcast(tensor, source, group=group)
@@ -424,23 +554,35 @@ class StageLink:
 
 class _ReceivedGradient(torch.autograd.Function):
     """``loss`` of a stage that is not the last: its value is the last stage's loss, and its backward
-    feeds the gradient received from the next stage into this stage's output."""
+    feeds the gradients received from the next stage into this stage's outputs."""
 
     @staticmethod
-    def forward(ctx, output, gradient, loss_value, seed, record):
-        ctx.save_for_backward(gradient, seed)
+    def forward(ctx, loss_value, seed, record, count, *outputs_and_gradients):
+        ctx.save_for_backward(seed, *outputs_and_gradients[count:])
         ctx.record = record
         return loss_value.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        gradient, seed = ctx.saved_tensors
+        seed, *gradients = ctx.saved_tensors
         ctx.record.append(grad_loss.detach())
-        # The gradient already carries the last stage's backward seed (1, or a loss scale); if this
+        # The gradients already carry the last stage's backward seed (1, or a loss scale); if this
         # stage's backward was seeded differently, rescale to this stage's seed.
         if not torch.equal(grad_loss, seed):
-            gradient = gradient * (grad_loss / seed).to(gradient.dtype)
-        return gradient, None, None, None, None
+            gradients = [gradient * (grad_loss / seed).to(gradient.dtype) for gradient in gradients]
+        return None, None, None, None, *gradients, *([None] * len(gradients))
+
+
+def _payload_list(payload: dict[str, torch.Tensor | None], names: tuple[str, ...]) -> list[torch.Tensor | None]:
+    """A stage's payload (named tensors) in the order every stage shares."""
+    if not isinstance(payload, dict) or set(payload) != set(names):
+        got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"a pipeline stage must pass on the tensors {list(names)}, got {got}.")
+    return [payload[name] for name in names]
+
+
+def _trainable(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
 
 class TimelineEvent(NamedTuple):
@@ -553,6 +695,7 @@ def pipeline_schedule(
     last_stage_loss: Callable[[Any], torch.Tensor],
     after_step: Callable[[bool], None],
     timeline: list[TimelineEvent] | None = None,
+    payload: tuple[str, ...] = ("hidden_states",),
 ) -> Iterator[Any]:
     """The 1F1B training schedule of one batch, as a generator of micro-batch outputs.
 
@@ -566,8 +709,8 @@ def pipeline_schedule(
         context: The model's parallel context.
         num_micro_batches: ``M``.
         stage_forward: ``stage_forward(i, received)`` runs this stage on micro-batch ``i``; ``received``
-            is the previous stage's output (``None`` on the first stage). Returns the tensor to send on
-            (not the last stage) or the head's result (last stage).
+            is the previous stage's payload, ``{name: tensor}`` (``None`` on the first stage). Returns the
+            payload to send on (not the last stage) or the head's result (last stage).
         micro_output: ``micro_output(result, loss)`` builds what is yielded for a micro-batch;
             ``result`` is ``stage_forward``'s return value on the last stage, ``None`` elsewhere.
         last_stage_loss: The loss tensor inside the last stage's result.
@@ -575,6 +718,8 @@ def pipeline_schedule(
             (e.g. summing the gradients of weights tied across stages); ``scaled`` says whether some
             backward pass of this stage was seeded with something else than 1 (a gradient scaler's scale).
         timeline: If given, every forward and backward of this stage is appended to it.
+        payload: The names of the tensors one stage passes the next (a ``None`` value is allowed); each
+            floating one gets its gradient back.
 
     Yields:
         One output per micro-batch, in order; call ``.loss.backward()`` on each before the next.
@@ -585,7 +730,7 @@ def pipeline_schedule(
     # One forward more ahead than textbook 1F1B (see the module docstring); the last stage runs each
     # micro-batch's backward right after its forward.
     warmup = 0 if last else min(context.pipeline_parallel_size - stage, num_micro_batches)
-    received: dict[int, torch.Tensor | None] = {}
+    received: dict[int, dict[str, torch.Tensor | None] | None] = {}
     results: dict[int, Any] = {}
     scaled = False
     done = 0  # micro-batches backpropagated
@@ -593,12 +738,15 @@ def pipeline_schedule(
     def forward(i: int) -> None:
         inputs = None
         if not first:
-            inputs = link.recv(link.prev).requires_grad_(torch.is_grad_enabled())
+            inputs = dict(zip(payload, link.recv(link.prev), strict=True))
+            for tensor in inputs.values():
+                if _trainable(tensor):
+                    tensor.requires_grad_(torch.is_grad_enabled())
         start = time.perf_counter()
         with context.rng.replicated():
             result = stage_forward(i, inputs)
         if not last:
-            link.send(result, link.next)
+            link.send(_payload_list(result, payload), link.next)
         if timeline is not None:
             timeline.append(TimelineEvent(i, "forward", start, time.perf_counter()))
         received[i], results[i] = inputs, result
@@ -607,7 +755,11 @@ def pipeline_schedule(
         nonlocal done
         done += 1
         if not first:
-            link.send(inputs.grad, link.prev, extra=torch.stack([loss_value, seeds[0].to(loss_value.dtype)]))
+            gradients = [
+                None if not _trainable(tensor) else tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+                for tensor in inputs.values()
+            ]
+            link.send(gradients, link.prev, extra=torch.stack([loss_value, seeds[0].to(loss_value.dtype)]))
 
     i, seeds = 0, []
     try:
@@ -625,9 +777,13 @@ def pipeline_schedule(
                 start = time.perf_counter()
                 yield micro_output(result, loss)
             else:
-                gradient, extra = link.recv(link.next, with_extra=True)
+                gradients, extra = link.recv(link.next, with_extra=True)
                 loss_value, seed = extra.to(torch.float32).unbind()
-                loss = _ReceivedGradient.apply(result, gradient, loss_value, seed, seeds)
+                pairs = [(output, gradient) for output, gradient in zip(_payload_list(result, payload), gradients,
+                                                                        strict=True)
+                         if gradient is not None and output.requires_grad]
+                loss = _ReceivedGradient.apply(loss_value, seed, seeds, len(pairs),
+                                               *(output for output, _ in pairs), *(gradient for _, gradient in pairs))
                 start = time.perf_counter()
                 yield micro_output(None, loss)
             if timeline is not None:
@@ -664,15 +820,18 @@ def pipeline_schedule(
 
 
 def pipeline_pass(
-    context: ParallelContext, stage_forward: Callable[[torch.Tensor | None], Any], names: list[str]
+    context: ParallelContext, stage_forward: Callable[[dict | None], Any], names: list[str],
+    payload: tuple[str, ...] = ("hidden_states",),
 ) -> dict[str, torch.Tensor | None]:
     """Run one batch through the stages without gradients; every stage gets the last stage's outputs.
 
     Args:
         context: The model's parallel context.
-        stage_forward: ``stage_forward(received)`` runs this stage (``received`` is ``None`` on the first
-            stage); it returns the tensor to send on, or on the last stage a mapping of outputs.
+        stage_forward: ``stage_forward(received)`` runs this stage (``received`` is the previous stage's
+            payload, ``{name: tensor}``, or ``None`` on the first stage); it returns the payload to send on,
+            or on the last stage a mapping of outputs.
         names: The outputs to hand to every stage, in an order all stages share.
+        payload: The names of the tensors one stage passes the next.
 
     Returns:
         ``{name: tensor or None}``, the same on every stage.
@@ -681,10 +840,12 @@ def pipeline_pass(
     last = context.is_pipeline_last_stage()
     with torch.no_grad():
         try:
-            received = None if context.is_pipeline_first_stage() else link.recv(link.prev)
+            received = None
+            if not context.is_pipeline_first_stage():
+                received = dict(zip(payload, link.recv(link.prev), strict=True))
             result = stage_forward(received)
             if not last:
-                link.send(result, link.next)
+                link.send(_payload_list(result, payload), link.next)
         except BaseException as exc:
             _end_failed(context, link, exc)
             raise
