@@ -1,5 +1,5 @@
-"""GPT2 parity with transformers at tensor_parallel_size 1, 2 and 4: logits, loss, gradients,
-hidden states, attentions and generate() tokens, for every head."""
+"""GPT2LMHeadModel with eager attention at tensor_parallel_size 1, 2 and 4: logits, loss, gradients, hidden
+states and attentions. Every head, sdpa and generate() are in tests/models/test_zoo.py."""
 
 from __future__ import annotations
 
@@ -59,84 +59,6 @@ def _lm_parity(rank, world_size, path, attn_implementation):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_implementation", ["eager"])  # sdpa, every head, generate: test_zoo.py
 def test_lm_head_parity(lm_checkpoint, tp, attn_implementation):
     run_distributed(_lm_parity, tp, lm_checkpoint, attn_implementation)
-
-
-def _generate_parity(rank, world_size, path):
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size, seed=1234)
-    input_ids, attention_mask, _ = _batch(batch=3, length=6, left_pad=(0, 2, 4))
-    common = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10, pad_token_id=0)
-    cases = {
-        "greedy": dict(do_sample=False),
-        "greedy_no_cache": dict(do_sample=False, use_cache=False),
-        "beam_ngram": dict(do_sample=False, num_beams=3, no_repeat_ngram_size=2),
-    }
-    for name, options in cases.items():
-        expected = reference.generate(**common, **options)
-        actual = model.generate(**common, **options)
-        assert torch.equal(actual, expected), f"{name}: {actual.tolist()} != {expected.tolist()}"
-
-    # Sampling: ranks start from different global RNG states; the model's replicated stream decides.
-    torch.manual_seed(1234)
-    expected = reference.generate(**common, do_sample=True, top_k=50)
-    torch.manual_seed(rank)
-    actual = model.generate(**common, do_sample=True, top_k=50)
-    assert torch.equal(actual, expected), f"sampling: {actual.tolist()} != {expected.tolist()}"
-    return actual.tolist()
-
-
-@pytest.mark.parametrize("tp", TP_SIZES)
-def test_generate_parity(lm_checkpoint, tp):
-    results = run_distributed(_generate_parity, tp, lm_checkpoint)
-    assert all(r == results[0] for r in results)
-
-
-HEADS = {
-    "GPT2Model": {},
-    "GPT2DoubleHeadsModel": {},
-    "GPT2ForSequenceClassification": {"num_labels": 3},
-    "GPT2ForTokenClassification": {"num_labels": 5},
-    "GPT2ForQuestionAnswering": {},
-}
-
-
-def _head_inputs(head):
-    input_ids, attention_mask, labels = _batch()
-    if head == "GPT2Model":
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
-        return inputs, lambda out: out.last_hidden_state.square().mean()
-    if head == "GPT2DoubleHeadsModel":
-        choices = input_ids.view(3, 1, 12).expand(3, 2, 12).contiguous()
-        inputs = dict(input_ids=choices, mc_token_ids=torch.tensor([[11, 10]] * 3), labels=choices,
-                      mc_labels=torch.tensor([0, 1, 1]))
-        return inputs, lambda out: out.loss + out.mc_loss
-    if head == "GPT2ForSequenceClassification":
-        return dict(input_ids=input_ids, attention_mask=attention_mask, labels=torch.tensor([0, 2, 1])), None
-    if head == "GPT2ForTokenClassification":
-        return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels.clamp(-100, 4)), None
-    return dict(input_ids=input_ids, attention_mask=attention_mask, start_positions=torch.tensor([1, 4, 7]),
-                end_positions=torch.tensor([3, 9, 11])), None
-
-
-def _head_parity(rank, world_size, path, head):
-    reference = getattr(transformers, head).from_pretrained(path)
-    model = getattr(oslo, head).from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
-    inputs, objective = _head_inputs(head)
-    expected, actual = reference(**inputs), model(**inputs)
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{head}.{k}: {m}")
-    objective = objective or (lambda out: out.loss)
-    objective(expected).backward()
-    objective(actual).backward()
-    assert_same_grads(reference, model)
-
-
-@pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_head_parity(tmp_path, head, tp):
-    save_reference(getattr(transformers, head), tiny_gpt2_config(**HEADS[head]), tmp_path)
-    run_distributed(_head_parity, tp, str(tmp_path), head)

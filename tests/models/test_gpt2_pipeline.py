@@ -286,7 +286,7 @@ def _generate(rank, world_size, path, tp):
     return actual.tolist()
 
 
-@pytest.mark.parametrize("tp, pp", LAYOUTS)
+@pytest.mark.parametrize("tp, pp", [(1, 4)])  # (1, 2) and (2, 2): tests/models/test_zoo.py
 def test_generate_matches_transformers(lm_checkpoint, tp, pp):
     results = run_distributed(_generate, tp * pp, lm_checkpoint, tp)
     assert all(r == results[0] for r in results)
@@ -315,43 +315,6 @@ def _head_batch(head):
         return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels.clamp(-100, 4))
     return dict(input_ids=input_ids, attention_mask=attention_mask, start_positions=torch.tensor([1, 4, 7, 2]),
                 end_positions=torch.tensor([3, 7, 7, 5]))
-
-
-def _head_parity(rank, world_size, path, head, tp):
-    # Evaluation mode: the heads' own dropouts (summary, classifier) are not 0 in the config.
-    reference = getattr(transformers, head).from_pretrained(path)
-    model = getattr(oslo, head).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, micro_batch_size=2
-    )
-    batch = _head_batch(head)
-    with torch.no_grad():  # one pass, outputs on every stage
-        expected, actual = reference(**batch, output_hidden_states=True), model(**batch, output_hidden_states=True)
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{head}.{k}: {m}")
-    assert len(actual.hidden_states) == len(expected.hidden_states) == 5
-    for ours, theirs in zip(actual.hidden_states, expected.hidden_states, strict=True):
-        torch.testing.assert_close(ours, theirs)
-    if HEADS[head][1] is None:
-        return
-    losses = [out.loss.detach() for out in model(**batch) if out.loss.backward() is None]
-    for i, ours in zip((0, 2), losses, strict=True):
-        with torch.no_grad():
-            theirs = reference(**{k: v[i : i + 2] for k, v in batch.items()}).loss
-        torch.testing.assert_close(ours, theirs)
-    reference(**batch).loss.backward()  # the gradients are the whole batch's
-    grads = full_grads(model)
-    theirs = {n: p.grad for n, p in reference.named_parameters()}
-    theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"{head} gradient of {n}: {m}")
-
-
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_every_head_matches_transformers(tmp_path, head, tp, pp):
-    save_reference(getattr(transformers, head), tiny_gpt2_config(n_layer=4, **HEADS[head][0]), tmp_path)
-    run_distributed(_head_parity, tp * pp, str(tmp_path), head, tp)
 
 
 def _double_heads_mc_training(rank, world_size, path):

@@ -1,0 +1,30 @@
+"""Every class of the zoo against transformers, at every layout of the matrix (see tests/models/zoo.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.models import zoo
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    saved: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in saved:
+            root = str(tmp_path_factory.mktemp(f"zoo-{arch}"))
+            zoo.save_checkpoints(root, arch)
+            saved[arch] = root
+        return saved[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch, tp, pp", zoo.layouts(), ids=lambda v: str(v))
+def test_zoo(checkpoints, tmp_path, arch, tp, pp):
+    results = run_distributed(zoo.run_layout, tp * pp, arch, tp, pp, checkpoints(arch), str(tmp_path), timeout=240)
+    expected = {case.name for case in zoo.cases_of(arch) if (tp, pp) in zoo.LAYOUTS or case.anchor}
+    assert set(results[0]) == expected
+    assert all(result == results[0] for result in results)

@@ -1,0 +1,250 @@
+"""The zoo's test registry: one :class:`Case` per model class, and the checks every case goes through.
+
+An architecture adds its cases in ``tests/models/cases_<arch>.py`` (a module-level ``CASES`` list) and
+registers the module in :data:`CASE_MODULES`; ``tests/models/test_zoo.py`` then runs, for every case:
+
+* parity with the transformers class of the same name on the same weights: every output field, the
+  loss, every gradient (tensor parallelism), or the no-gradient pass's outputs and a pipeline training
+  step's micro-batch losses and gradients (pipeline parallelism);
+* ``generate()`` tokens (greedy, beam + ``no_repeat_ngram_size``, sampling, without cache) for the
+  causal LMs;
+* checkpoints: split save and reload, merged save loaded by transformers with no missing or unexpected
+  keys and the same tensors.
+
+Every class runs at (tp, pp) = (1, 1), (2, 1), (1, 2); each architecture's anchor class also at (4, 1)
+and (2, 2). One distributed launch per (architecture, layout) checks all its classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import oslo
+from tests.helpers import full_grads, full_params
+
+CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.models.cases_bert"]
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # every class
+ANCHOR_LAYOUTS = [(4, 1), (2, 2)]  # each architecture's anchor class
+MICRO_BATCH_SIZE = 2  # the batches have 4 rows: two micro-batches per pipeline step
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model class of the zoo, as its tests build and call it.
+
+    Attributes:
+        arch: Architecture (``"gpt2"``, ``"gpt_neo"``, ``"bert"``); names the test launch.
+        name: The class name, the same in ``oslo`` and in ``transformers``.
+        config: A tiny config for it (dropout 0, a vocabulary that 2 and 4 do not divide).
+        batch: The call's keyword arguments (4 rows), targets included.
+        objective: The scalar to backpropagate from an output; ``None``: ``output.loss``.
+        pipeline_trains: Whether a pipeline training step applies (the batch holds the loss inputs);
+            default: when the objective is the loss.
+        pipeline_drop: Keys of the batch left out of the pipeline training step.
+        generate: Whether ``generate()`` is checked (causal LMs).
+        anchor: The class also checked at the anchor layouts.
+    """
+
+    arch: str
+    name: str
+    config: Callable[[], Any]
+    batch: Callable[[], dict]
+    objective: Callable[[Any], torch.Tensor] | None = None
+    pipeline_trains: bool | None = None
+    pipeline_drop: tuple[str, ...] = ()
+    generate: bool = False
+    anchor: bool = False
+    generate_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def trains_in_pipeline(self) -> bool:
+        return self.objective is None if self.pipeline_trains is None else self.pipeline_trains
+
+    def loss(self, output) -> torch.Tensor:
+        return output.loss if self.objective is None else self.objective(output)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for module in CASE_MODULES:
+        try:
+            cases.extend(importlib.import_module(module).CASES)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return cases
+
+
+def cases_of(arch: str) -> list[Case]:
+    return [case for case in all_cases() if case.arch == arch]
+
+
+def layouts() -> list[tuple[str, int, int]]:
+    """``(arch, tp, pp)`` launches: every layout for every architecture, the anchor layouts where an
+    architecture has an anchor class."""
+    archs = list(dict.fromkeys(case.arch for case in all_cases()))
+    result = [(arch, tp, pp) for arch in archs for tp, pp in LAYOUTS]
+    result += [(arch, tp, pp) for arch in archs if any(c.anchor for c in cases_of(arch)) for tp, pp in ANCHOR_LAYOUTS]
+    return result
+
+
+def save_checkpoints(root: str, arch: str) -> None:
+    """Each case's transformers model, seeded, saved under ``root/<class>``."""
+    for case in cases_of(arch):
+        torch.manual_seed(0)
+        getattr(transformers, case.name)(case.config()).save_pretrained(os.path.join(root, case.name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks, run on every rank of a launch
+# ---------------------------------------------------------------------------------------------
+def _compare(actual, expected, what: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
+    elif isinstance(expected, tuple) and expected and isinstance(expected[0], torch.Tensor):
+        assert isinstance(actual, tuple) and len(actual) == len(expected), f"{what}: {len(actual)} != {len(expected)}"
+        for i, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
+            torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{what}[{i}]: {m}")
+
+
+def compare_outputs(actual, expected, name: str) -> None:
+    """Every tensor field of transformers' output (tuples of tensors too) equals oslo's."""
+    for key, value in expected.items():
+        if key == "past_key_values":
+            continue
+        _compare(actual[key], value, f"{name}.{key}")
+
+
+def reference_grads(reference) -> dict[str, torch.Tensor]:
+    """The reference's gradients by every name, tied copies included (``lm_head.weight``)."""
+    return {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+
+
+def compare_grads(model, reference, name: str) -> list[str]:
+    theirs = reference_grads(reference)
+    ours = full_grads(model)
+    missing = sorted(set(ours) - set(theirs))
+    assert not missing, f"{name}: oslo parameters without a transformers twin: {missing}"
+    for param_name, grad in ours.items():
+        if theirs[param_name] is None:  # outside this objective's graph (a head the step does not train)
+            assert grad is None or not grad.any(), f"{name}: {param_name} got a gradient transformers does not"
+            continue
+        assert grad is not None, f"{name}: no gradient for {param_name}"
+        torch.testing.assert_close(grad, theirs[param_name], msg=lambda m, n=param_name: f"{name} gradient of {n}: {m}")
+    return sorted(ours)
+
+
+def check_parity(case: Case, path: str, tp: int, pp: int) -> list[str]:
+    reference = getattr(transformers, case.name).from_pretrained(path)
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE)
+    batch = case.batch()
+    expected = reference(**batch, output_hidden_states=True)
+    if pp == 1:
+        actual = model(**batch, output_hidden_states=True)
+        compare_outputs(actual, expected, case.name)
+        case.loss(expected).backward()
+        case.loss(actual).backward()
+        return compare_grads(model, reference, case.name)
+
+    with torch.no_grad():  # one pass: the outputs on every stage
+        actual = model(**batch, output_hidden_states=True)
+    compare_outputs(actual, expected, case.name)
+    if not case.trains_in_pipeline:
+        return []
+    batch = {k: v for k, v in batch.items() if k not in case.pipeline_drop}
+    losses = []
+    for micro_output in model(**batch):
+        losses.append(micro_output.loss.detach())
+        micro_output.loss.backward()
+    rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+    with torch.no_grad():
+        expected_losses = [
+            reference(**{k: v[i : i + MICRO_BATCH_SIZE] if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}).loss
+            for i in range(0, rows, MICRO_BATCH_SIZE)
+        ]
+    assert len(losses) == len(expected_losses)
+    for i, (ours, theirs) in enumerate(zip(losses, expected_losses, strict=True)):  # on every stage
+        torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{case.name} micro-batch {i} loss: {m}")
+    reference(**batch).loss.backward()  # the step's gradients are the whole batch's
+    return compare_grads(model, reference, case.name)
+
+
+def check_generate(case: Case, path: str, tp: int, pp: int, rank: int) -> None:
+    reference = getattr(transformers, case.name).from_pretrained(path)
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=1234)
+    batch = case.batch()
+    pad = reference.config.pad_token_id if reference.config.pad_token_id is not None else 0
+    common = dict(input_ids=batch["input_ids"][:3, :6], attention_mask=batch["attention_mask"][:3, :6],
+                  max_new_tokens=8, pad_token_id=pad, **case.generate_kwargs)
+    options = {
+        "greedy": dict(do_sample=False),
+        "greedy_no_cache": dict(do_sample=False, use_cache=False),
+        "beam_ngram": dict(do_sample=False, num_beams=3, no_repeat_ngram_size=2),
+    }
+    for name, option in options.items():
+        expected = reference.generate(**common, **option)
+        actual = model.generate(**common, **option)
+        assert torch.equal(actual, expected), f"{case.name} {name}: {actual.tolist()} != {expected.tolist()}"
+    # Sampling: the ranks start from different global RNG states; the model's replicated stream decides.
+    torch.manual_seed(1234)
+    expected = reference.generate(**common, do_sample=True, top_k=20)
+    torch.manual_seed(rank)
+    actual = model.generate(**common, do_sample=True, top_k=20)
+    assert torch.equal(actual, expected), f"{case.name} sampling: {actual.tolist()} != {expected.tolist()}"
+
+
+def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str) -> None:
+    """Split save + reload at the same layout (the same weights); merged save read by transformers with
+    no missing or unexpected keys and the reference's tensors."""
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    split, merged = os.path.join(root, f"{case.name}-split"), os.path.join(root, f"{case.name}-merged")
+    model.save_pretrained_with_parallel(split)
+    model.save_pretrained_with_parallel(merged, save_with_merging=True)
+    again = getattr(oslo, case.name).from_pretrained_with_parallel(
+        split, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    ours, reloaded = full_params(model), full_params(again)
+    assert sorted(ours) == sorted(reloaded)
+    for name, value in ours.items():
+        assert torch.equal(reloaded[name], value), f"{case.name}: {name} changed through a split save"
+    if model.parallel_context.rank == 0:
+        loaded, info = getattr(transformers, case.name).from_pretrained(merged, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (case.name, info)
+        original = getattr(transformers, case.name).from_pretrained(path).state_dict()
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, original[name]), f"{case.name}: {name} differs in the merged checkpoint"
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: str, scratch: str) -> dict:
+    """Every check of ``arch``'s cases at one layout, on one rank; returns what was checked."""
+    anchor_only = (tp, pp) not in LAYOUTS
+    checked: dict[str, list[str]] = {}
+    for case in cases_of(arch):
+        if anchor_only and not case.anchor:
+            continue
+        path = os.path.join(root, case.name)
+        done = []
+        check_parity(case, path, tp, pp)
+        done.append("parity")
+        if case.generate:
+            check_generate(case, path, tp, pp, rank)
+            done.append("generate")
+        if tp * pp > 1:
+            check_checkpoints(case, path, tp, pp, os.path.join(scratch, f"{tp}x{pp}"))
+            done.append("checkpoints")
+        checked[case.name] = done
+    return checked
