@@ -179,14 +179,19 @@ def _out_of_range(values: Any, low: int, high: int) -> tuple[int, tuple[int, ...
     return int(values[index]), index
 
 
+_DEFAULT_ID_INPUTS = {"input_ids": "vocab_size", "inputs": "vocab_size", "token_type_ids": "vocab_size"}
+
+
 def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
                           nested: bool = False) -> IndexError | None:
-    """The ``IndexError`` that transformers' GPT2 embeddings raise for this call of ``model``
+    """The ``IndexError`` that transformers' embeddings raise for this call of ``model``
     (``model(*args, **kwargs)`` or ``model.generate(*args, **kwargs)``), with the value, the range and
     the fix; ``None`` when every id is in range. Cheap: a min and a max per id tensor.
 
-    ``input_ids`` (``inputs`` of generate) and ``token_type_ids`` (which GPT2 embeds with the token
-    embedding too) must lie in ``[0, vocab_size)``, ``position_ids`` in ``[0, max_position_embeddings)``.
+    Each id input must lie in the table that embeds it, as the model's ``_id_inputs`` declares
+    (``{input name: config attribute of the table's size}``; by default ``input_ids`` / ``inputs`` of
+    generate and ``token_type_ids`` in ``[0, vocab_size)``, as GPT2 embeds token types with the token
+    embedding; BERT's token types use ``type_vocab_size``), ``position_ids`` in ``[0, max_position_embeddings)``.
     Without ``position_ids`` the input's length after the cached positions must fit as well: counted
     as the forward pass counts it (``nested``: a call inside a model call, e.g. a generate() step), or,
     for an outermost call, which may be ``generate()`` (it numbers a padded prompt's positions by its
@@ -195,17 +200,24 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     config = model.config
     names = _parameter_names(type(model).forward)
     named = {**dict(zip(names, args, strict=False)), **kwargs}
-    vocab_size, positions = config.vocab_size, getattr(config, "max_position_embeddings", None)
-    for name in ("input_ids", "inputs", "token_type_ids"):
-        found = _out_of_range(named.get(name), 0, vocab_size)
+    positions = getattr(config, "max_position_embeddings", None)
+    id_inputs = getattr(model, "_id_inputs", None) or _DEFAULT_ID_INPUTS
+    for name, attribute in id_inputs.items():
+        size = getattr(config, attribute)
+        found = _out_of_range(named.get(name), 0, size)
         if found is not None:
             value, index = found
-            what = "token types" if name == "token_type_ids" else "tokens"
+            if attribute == "vocab_size":
+                what = "token types" if name == "token_type_ids" else "tokens"
+                return IndexError(
+                    f"{name} hold {value} at index {index}, outside the vocabulary [0, {size}) of this model "
+                    f"(vocab_size={size}; {type(model).__name__} embeds its {what} with the token embedding): "
+                    f"pass ids in [0, {size}). Check that the tokenizer matches the model (or build the model "
+                    "with resize_token_embeddings=len(tokenizer))."
+                )
             return IndexError(
-                f"{name} hold {value} at index {index}, outside the vocabulary [0, {vocab_size}) of this model "
-                f"(vocab_size={vocab_size}; GPT2 embeds its {what} with the token embedding): pass ids in "
-                f"[0, {vocab_size}). Check that the tokenizer matches the model (or build the model with "
-                "resize_token_embeddings=len(tokenizer))."
+                f"{name} hold {value} at index {index}, outside [0, {size}) ({attribute}={size}: "
+                f"{type(model).__name__} embeds {size} of them): pass {name} in [0, {size})."
             )
     if positions is None:
         return None
