@@ -15,6 +15,12 @@ Mask semantics (transformers 5)
   the bottom right, so with a KV cache the ``q_len`` new queries sit at the end of the key sequence
   (transformers' ``causal_mask_function`` with ``q_offset = k_len - q_len``). This is also what sdpa's
   ``is_causal`` means when transformers skips building a mask. Combines with either mask kind below.
+* ``causal=True, window=w`` (sliding window, GPT-Neo's "local" layers): query ``i`` attends keys
+  ``i_abs - w < j <= i_abs`` with ``i_abs = i + (k_len - q_len)``, i.e. itself and the ``w - 1`` keys
+  before it. This is GPT-Neo's ``tril(ones) ^ tril(ones, -window_size)`` bias sliced at
+  ``[k_len - q_len : k_len, :k_len]``. Keys outside the window are masked exactly like keys after the
+  query (probability 0, gradient 0). ``window >= k_len`` is plain causal. ``window`` requires
+  ``causal=True``. (GPT-Neo does not scale its scores: pass ``scale=1.0``.)
 * boolean mask (``transformers.masking_utils.sdpa_mask``, what the default sdpa path gets): ``True``
   means *attend*. Broadcastable to the scores, e.g. ``[batch, 1, q_len, k_len]``.
 * floating mask (``transformers.masking_utils.eager_mask``, what the eager path gets): *added* to the
@@ -27,12 +33,14 @@ result up to float reassociation.
 
 Fully masked rows (a left-padded query that sees only padding, or ``q_len > k_len`` under ``causal``):
 
-* with a boolean mask or ``causal``: the row is all zeros, forward and backward, as in
-  ``torch.nn.functional.scaled_dot_product_attention`` (whose math kernel uses a "safe" softmax).
+* with a boolean mask or ``causal`` (with or without ``window``): the row is all zeros, forward and
+  backward, as in ``torch.nn.functional.scaled_dot_product_attention`` (whose math kernel uses a "safe"
+  softmax). The causal and window masks are hard masks: a masked key gets ``-inf``, never ``finfo.min``.
 * with an additive ``finfo.min`` mask: every score becomes ``finfo.min`` (the addition saturates in
   fp16/bf16, and ``min + s`` rounds back to ``min`` in fp32), so the row is uniform, ``1 / k_len`` per
   key: exactly what the eager path computes. We do not special-case this; it falls out of matching the
-  eager rounding.
+  eager rounding. With ``causal`` (and ``window``) on top, the row is uniform over the keys those leave
+  visible, which is also what GPT-Neo's fp32 eager attention computes for such a row.
 * with an additive ``-inf`` mask: zeros (eager would produce NaN; sdpa produces zeros).
 """
 
@@ -80,11 +88,38 @@ def _check_inputs(scores: torch.Tensor, mask: torch.Tensor | None) -> None:
         )
 
 
+def _check_window(window: int | None, causal: bool) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"window={window!r} must be a positive int (the number of keys each query sees, itself "
+            "included, e.g. GPT-Neo's config.window_size) or None for no sliding window."
+        )
+    if not causal:
+        raise ValueError(
+            f"window={window} needs causal=True: the sliding window counts back from each query's "
+            "(bottom-right aligned) causal position. Pass causal=True with it, or window=None."
+        )
+
+
+def _causal_keep(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[q_len, k_len]`` boolean, True where query ``i`` may attend key ``j`` (bottom-right aligned)."""
+    rows = torch.arange(q_len, device=device).unsqueeze(-1) + (k_len - q_len)
+    cols = torch.arange(k_len, device=device)
+    keep = cols <= rows
+    if window is not None:
+        keep = keep & (cols > rows - window)
+    return keep
+
+
 def scaled_masked_softmax_reference(
     scores: torch.Tensor,
     mask: torch.Tensor | None = None,
     scale: float = 1.0,
     causal: bool = False,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch path: ``softmax(scores * scale [+ mask])`` with transformers' mask semantics.
 
@@ -95,19 +130,21 @@ def scaled_masked_softmax_reference(
         mask: None, a boolean mask (True = attend) or an additive floating mask, broadcastable to scores.
         scale: multiplier applied to the scores before masking (e.g. ``head_dim ** -0.5``).
         causal: additionally mask keys after each query (bottom-right aligned).
+        window: with ``causal``, also mask keys ``window`` or more positions before each query (a sliding
+            window of ``window`` keys, the query's own included); None for plain causal.
 
     Returns:
         Attention probabilities shaped and typed like ``scores``.
     """
     _check_inputs(scores, mask)
+    _check_window(window, causal)
     logits = scores * scale
     if mask is not None and mask.dtype != torch.bool:
         logits = logits + mask
     logits = logits.float()
     if causal:
         q_len, k_len = scores.shape[-2:]
-        rows = torch.arange(q_len, device=scores.device).unsqueeze(-1) + (k_len - q_len)
-        logits = logits.masked_fill(torch.arange(k_len, device=scores.device) > rows, float("-inf"))
+        logits = logits.masked_fill(~_causal_keep(q_len, k_len, window, scores.device), float("-inf"))
     if mask is not None and mask.dtype == torch.bool:
         logits = logits.masked_fill(~mask, float("-inf"))
     row_max = logits.amax(dim=-1, keepdim=True)
@@ -134,9 +171,11 @@ if HAS_TRITON:
         mask_stride_q,
         mask_stride_k,
         scale,
+        window,
         MASK_KIND: tl.constexpr,  # 0: none, 1: boolean (stored as uint8), 2: additive
         ROUND_SUM: tl.constexpr,  # round scores * scale + mask to the scores' dtype, like eager does
         CAUSAL: tl.constexpr,
+        WINDOWED: tl.constexpr,  # with CAUSAL: also mask keys j <= i_abs - window
         BLOCK_K: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -163,7 +202,10 @@ if HAS_TRITON:
                 if ROUND_SUM:
                     logits = logits.to(scores_ptr.dtype.element_ty).to(tl.float32)
         if CAUSAL:
-            keep = keep & (cols <= q_index + (k_len - q_len))
+            q_absolute = q_index + (k_len - q_len)  # bottom-right aligned, as with a KV cache
+            keep = keep & (cols <= q_absolute)
+            if WINDOWED:
+                keep = keep & (cols > q_absolute - window)
         logits = tl.where(keep, logits, float("-inf"))
 
         row_max = tl.max(logits, axis=0)
@@ -194,16 +236,24 @@ if HAS_TRITON:
 
 class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
     """Forward: one kernel per row computing ``softmax(mask(scores * scale))``.
-    Backward: one kernel per row computing ``scale * p * (g - sum(p * g))``. The mask gets no gradient."""
+    Backward: one kernel per row computing ``scale * p * (g - sum(p * g))``. The mask gets no gradient;
+    keys masked by the mask, ``causal`` or ``window`` have ``p = 0``, hence a zero gradient."""
 
     @staticmethod
     def forward(
-        ctx, scores: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool
+        ctx,
+        scores: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        causal: bool,
+        window: int | None,
     ) -> torch.Tensor:
         scores = scores.contiguous()
         batch, heads, q_len, k_len = scores.shape
         probs = torch.empty_like(scores)
         block_k = next_power_of_2(k_len)
+        # window >= k_len cuts nothing (every key j >= 0 > i_abs - window): run the plain causal kernel.
+        windowed = causal and window is not None and window < k_len
         if mask is None:
             mask_kind, mask_arg, strides, round_sum = 0, scores, (0, 0, 0, 0), False
         else:
@@ -225,9 +275,11 @@ class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
                 k_len,
                 *strides,
                 float(scale),
+                window if windowed else 0,
                 MASK_KIND=mask_kind,
                 ROUND_SUM=round_sum,
                 CAUSAL=causal,
+                WINDOWED=windowed,
                 BLOCK_K=block_k,
                 num_warps=num_warps_for(block_k),
             )
@@ -246,7 +298,7 @@ class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
             _scaled_masked_softmax_backward_kernel[(probs.numel() // k_len,)](
                 grad_out, probs, grad_in, k_len, ctx.scale, BLOCK_K=block_k, num_warps=num_warps_for(block_k)
             )
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
 def scaled_masked_softmax(
@@ -254,6 +306,8 @@ def scaled_masked_softmax(
     mask: torch.Tensor | None = None,
     scale: float = 1.0,
     causal: bool = False,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Fused ``softmax(scores * scale [+ mask])``: Triton on CUDA, the torch reference on CPU.
 
@@ -265,33 +319,44 @@ def scaled_masked_softmax(
             scores (eager-style). Broadcastable to ``scores``, e.g. ``[batch, 1, q_len, k_len]``.
         scale: multiplier applied to the scores first (e.g. ``head_dim ** -0.5``, or 1.0 for GPT-Neo).
         causal: additionally mask keys after each query (bottom-right aligned: ``j <= i + k_len - q_len``).
+        window: sliding causal window (GPT-Neo's local attention, ``config.window_size``); needs
+            ``causal=True``. Query ``i`` then attends only keys ``i_abs - window < j <= i_abs``, where
+            ``i_abs = i + k_len - q_len``. None (default): plain causal.
 
     Returns:
         Attention probabilities shaped and typed like ``scores``; differentiable w.r.t. ``scores``.
+
+    Raises:
+        ValueError: bad shapes or dtypes, ``window`` not a positive int, or ``window`` without ``causal``.
     """
     _check_inputs(scores, mask)
+    _check_window(window, causal)
     tensors = (scores,) if mask is None else (scores, mask)
     if not use_triton(*tensors):
-        return scaled_masked_softmax_reference(scores, mask, scale, causal)
-    return _ScaledMaskedSoftmaxFunction.apply(scores, mask, scale, causal)
+        return scaled_masked_softmax_reference(scores, mask, scale, causal, window=window)
+    return _ScaledMaskedSoftmaxFunction.apply(scores, mask, scale, causal, window)
 
 
 class FusedScaleMaskSoftmax(nn.Module):
-    """Module form of :func:`scaled_masked_softmax` with a fixed scale and causality.
+    """Module form of :func:`scaled_masked_softmax` with a fixed scale, causality and window.
 
     Args:
         scale: multiplier applied to the scores before masking.
         causal: whether to apply the (bottom-right aligned) causal mask.
+        window: sliding causal window size (GPT-Neo's local layers); needs ``causal=True``.
     """
 
-    def __init__(self, scale: float = 1.0, causal: bool = False) -> None:
+    def __init__(self, scale: float = 1.0, causal: bool = False, *, window: int | None = None) -> None:
         super().__init__()
+        _check_window(window, causal)
         self.scale = scale
         self.causal = causal
+        self.window = window
 
     def forward(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Return ``softmax(scores * scale [+ mask])`` over the last dim."""
-        return scaled_masked_softmax(scores, mask, self.scale, self.causal)
+        return scaled_masked_softmax(scores, mask, self.scale, self.causal, window=self.window)
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale}, causal={self.causal}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"scale={self.scale}, causal={self.causal}{window}"

@@ -145,6 +145,147 @@ def test_bad_arguments_name_the_problem():
         scaled_masked_softmax(scores, torch.ones(2, 1, 4, 5, dtype=torch.long))
 
 
+# ----------------------------------------------------------------------------- sliding window (GPT-Neo local)
+
+# (q_len, k_len, window): q_len == k_len and a KV cache (q_len < k_len); window 1, smaller than k_len,
+# and larger than k_len (the same as plain causal).
+WINDOW_SHAPES = [(6, 6, 1), (6, 6, 3), (6, 6, 9), (2, 6, 1), (2, 6, 3), (2, 6, 9)]
+WINDOW_MASKS = ["none", "bool", "additive"]
+
+
+def _gpt_neo_reference(scores, window, mask=None):
+    """Independent oracle: GPT-Neo's local attention (``GPTNeoSelfAttention._attn``) written out.
+
+    Its ``tril ^ tril(-window)`` bias buffer over absolute positions, sliced at the last q_len rows;
+    ``torch.where`` with ``finfo.min`` on fp32 scores (GPT-Neo upcasts, and does not scale); ``+ mask``;
+    softmax. A boolean mask (sdpa-style; GPT-Neo's eager path never gets one) is made additive, and the
+    rows that then see no key at all are zeroed: sdpa's safe-softmax convention, which oslo documents.
+    """
+    q_len, k_len = scores.shape[-2:]
+    max_positions = k_len + 4  # GPT-Neo's buffer is max_position_embeddings long, longer than k_len
+    bias = torch.tril(torch.ones(max_positions, max_positions, dtype=torch.bool))
+    bias = torch.bitwise_xor(bias, torch.tril(bias, -window))[None, None]
+    local = bias[:, :, k_len - q_len : k_len, :k_len]
+    weights = torch.where(local, scores.float(), torch.tensor(torch.finfo(torch.float32).min))
+    if mask is None:
+        return F.softmax(weights, dim=-1)
+    if mask.dtype != torch.bool:
+        return F.softmax(weights + mask, dim=-1)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = F.softmax(weights + additive, dim=-1)
+    sees_a_key = (local & mask).any(dim=-1, keepdim=True)
+    return torch.where(sees_a_key, probs, torch.zeros_like(probs))
+
+
+def test_gpt_neo_reference_is_transformers_local_attention():
+    """The oracle above is what transformers' GPTNeoSelfAttention("local") computes, KV cache included."""
+    from transformers import GPTNeoConfig
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    config = GPTNeoConfig(hidden_size=8, num_heads=2, window_size=3, max_position_embeddings=16)
+    attention = GPTNeoSelfAttention(config, "local")
+    generator = torch.Generator().manual_seed(0)
+    for q_len, k_len in [(6, 6), (2, 6)]:
+        q = torch.randn(2, 2, q_len, 4, generator=generator)
+        k = torch.randn(2, 2, k_len, 4, generator=generator)
+        _, additive = _left_padded_masks(2, q_len, k_len, torch.float32)
+        _, weights = attention._attn(q, k, torch.zeros(2, 2, k_len, 4), additive)
+        torch.testing.assert_close(_gpt_neo_reference(q @ k.transpose(-1, -2), 3, additive), weights)
+
+
+def _window_mask(kind, q_len, k_len, device):
+    """None, or transformers' sdpa (bool) / eager (additive, fp32 as GPT-Neo's fp32 scores get it) causal
+    mask for a left-padded batch of 2: row 1 has 3 pad tokens, so its queries at absolute positions 0..2
+    see only padding (boolean: zeros; additive: uniform over the window, as in GPT-Neo)."""
+    if kind == "none":
+        return None
+    boolean, additive = _left_padded_masks(2, q_len, k_len, torch.float32)
+    return (boolean if kind == "bool" else additive).to(device)
+
+
+def _check_window_against_gpt_neo(device, dtype, q_len, k_len, window, kind):
+    """Forward and gradient of ``scaled_masked_softmax(..., causal=True, window=window)`` on ``device``
+    against the GPT-Neo oracle, in fp32 on CPU. Returns the probabilities and gradient (CPU, fp32)."""
+    scores = _scores((2, 2, q_len, k_len), dtype, device)
+    mask = _window_mask(kind, q_len, k_len, device)
+    out = scaled_masked_softmax(scores, mask, 1.0, causal=True, window=window)
+    reference_scores = scores.detach().cpu().float().requires_grad_()  # exact: a widening conversion
+    expected = _gpt_neo_reference(reference_scores, window, None if mask is None else mask.cpu())
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (got,) = torch.autograd.grad(out, scores, grad.to(out))
+    (want,) = torch.autograd.grad(expected, reference_scores, grad.to(out).float())
+    out, got = out.detach().cpu().float(), got.cpu().float()
+    assert scores.dtype == dtype and not out.isnan().any() and not got.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(got, want)
+    else:
+        # The same fp32 softmax of the same scores, with only the output rounded to the dtype: under one
+        # ulp, <= eps for probabilities <= 1 (one ulp: the interpreter truncates to bf16). The gradient
+        # p * (g - sum(p * g)) is formed from dtype-rounded p (Triton) and rounded once more: with |g| < 2.4
+        # here, a few eps at most (measured: 0.8 eps fp16, 1.3 eps bf16 in the interpreter), so 4 eps.
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out, expected, rtol=0, atol=eps)
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * eps)
+    return out, got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", WINDOW_MASKS)
+@pytest.mark.parametrize("q_len, k_len, window", WINDOW_SHAPES)
+def test_window_equals_gpt_neo_local_attention(dtype, kind, q_len, k_len, window):
+    out, grad = _check_window_against_gpt_neo("cpu", dtype, q_len, k_len, window, kind)
+    if kind == "bool" and q_len == k_len:  # padded queries see no key: zeros, forward and backward
+        assert torch.equal(out[1, :, :3], torch.zeros(2, 3, k_len))
+        assert torch.equal(grad[1, :, :3], torch.zeros(2, 3, k_len))
+
+
+def test_window_edge_sizes():
+    scores = _scores((2, 3, 5, 8))
+    q_abs = torch.arange(5) + 3
+    one = scaled_masked_softmax(scores, None, 0.5, causal=True, window=1)  # each query sees only itself
+    assert torch.equal(one, F.one_hot(q_abs, 8).float().expand(2, 3, 5, 8))
+    (grad,) = torch.autograd.grad(one, scores, torch.randn(one.shape))
+    assert torch.equal(grad, torch.zeros_like(grad))
+    causal = scaled_masked_softmax(scores, None, 0.5, causal=True)
+    for window in (8, 9, 10**12):  # windows reaching back past key 0 change nothing
+        assert torch.equal(scaled_masked_softmax(scores, None, 0.5, causal=True, window=window), causal)
+    # more queries than keys: the first ones see no key, window or not
+    wide = scaled_masked_softmax(_scores((1, 2, 7, 4)), None, 1.0, causal=True, window=2)
+    assert torch.equal(wide[:, :, :3], torch.zeros(1, 2, 3, 4))
+    torch.testing.assert_close(wide[0, 0, 3:].sum(-1), torch.ones(4))
+
+
+def test_window_module_form():
+    scores = _scores((2, 2, 4, 6))
+    module = FusedScaleMaskSoftmax(scale=1.0, causal=True, window=2)
+    assert torch.equal(module(scores), scaled_masked_softmax_reference(scores, None, 1.0, True, window=2))
+    assert "window=2" in repr(module) and "window" not in repr(FusedScaleMaskSoftmax(causal=True))
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.0, True, "4"])
+def test_bad_window_names_the_problem(window):
+    scores = _scores((1, 1, 3, 3))
+    for call in (
+        lambda: scaled_masked_softmax(scores, None, 1.0, causal=True, window=window),
+        lambda: scaled_masked_softmax_reference(scores, None, 1.0, causal=True, window=window),
+        lambda: FusedScaleMaskSoftmax(causal=True, window=window),
+    ):
+        with pytest.raises(ValueError, match=rf"window={window!r} must be a positive int.*or None"):
+            call()
+
+
+def test_window_without_causal_names_the_fix():
+    scores = _scores((1, 1, 3, 3))
+    for call in (
+        lambda: scaled_masked_softmax(scores, window=2),
+        lambda: scaled_masked_softmax_reference(scores, None, 1.0, causal=False, window=2),
+        lambda: FusedScaleMaskSoftmax(scale=1.0, window=2),
+    ):
+        with pytest.raises(ValueError, match=r"window=2 needs causal=True.*Pass causal=True"):
+            call()
+
+
 # ----------------------------------------------------------------------------- Triton
 
 MASK_CASES = [
@@ -208,3 +349,37 @@ def test_triton_causal_shapes(triton_device, assert_close_for_dtype, q_len, k_le
         torch.autograd.grad(expected, scores, grad)[0],
         torch.float32,
     )
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", WINDOW_MASKS)
+@pytest.mark.parametrize("q_len, k_len, window", WINDOW_SHAPES)
+def test_triton_window_equals_gpt_neo_local_attention(triton_device, dtype, kind, q_len, k_len, window):
+    """The Triton kernels (forward and backward) against the GPT-Neo oracle."""
+    out, grad = _check_window_against_gpt_neo(triton_device, dtype, q_len, k_len, window, kind)
+    if kind == "bool" and q_len == k_len:
+        assert torch.equal(out[1, :, :3], torch.zeros(2, 3, k_len))
+        assert torch.equal(grad[1, :, :3], torch.zeros(2, 3, k_len))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len, k_len, window", [(5, 7, 3), (7, 4, 2), (1, 1000, 256)])
+def test_triton_window_matches_reference(triton_device, assert_close_for_dtype, dtype, q_len, k_len, window):
+    """Triton vs the torch path with a scale, an eager mask in the scores' dtype (the rounded sum), more
+    queries than keys (leading rows fully masked), and one decode step over a long cache."""
+    scores = _scores((2, 2, q_len, k_len), dtype, triton_device)
+    if q_len <= k_len:
+        _, mask = _left_padded_masks(2, q_len, k_len, dtype)
+        mask = mask.to(triton_device)
+    else:
+        mask = None
+    out = scaled_masked_softmax(scores, mask, 0.3, causal=True, window=window)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    expected = scaled_masked_softmax_reference(scores, mask, 0.3, causal=True, window=window)
+    assert_close_for_dtype(out, expected, dtype, "forward")
+    assert_close_for_dtype(
+        torch.autograd.grad(out, scores, grad)[0], torch.autograd.grad(expected, scores, grad)[0], dtype, "grad"
+    )
+    assert int((out[0, 0, -1] > 0).sum()) == min(window, k_len)  # unpadded last query: exactly its window
