@@ -35,6 +35,9 @@ def full_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     out = {}
     for name, local in tensors.items():
         spec = specs.get(name)
+        if local is None:  # no gradient (outside the objective's graph): the same on every rank
+            out[name] = None
+            continue
         if spec is None or context.tensor_parallel_size == 1:
             out[name] = local if spec is None else spec.merge([local])
             continue

@@ -176,23 +176,29 @@ class OsloPreTrainedModel(PreTrainedModel):
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # Under pipeline parallelism a tied pair may be split across stages (GPT2's wte on the first,
         # lm_head on the last): only pairs held by this stage are tied by sharing the parameter; the
-        # others start equal and get equal gradients (pipeline_gradient_reduction).
-        keys = super().get_expanded_tied_weights_keys(all_submodels)
-        if self.parallel_context.pipeline_parallel_size == 1:
-            return keys
+        # others start equal and get equal gradients (pipeline_gradient_reduction). oslo's tie keys are
+        # plain parameter names: they are not expanded as patterns (transformers would look up both ends
+        # among this stage's parameters, and fail when one is on another stage).
+        if self.parallel_context.pipeline_parallel_size == 1 or all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels)
+        if not getattr(self.config, "tie_word_embeddings", False) or not self._tied_weights_keys:
+            return {}
         local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        return {target: source for target, source in keys.items() if target in local and source in local}
+        return {target: source for target, source in self._tied_weights_keys.items()
+                if target in local and source in local}
 
     def cross_stage_tied_weights(self) -> dict[str, str]:
         """``{local parameter: the name of its tied twin on another stage}`` (empty without pipelines).
 
         The twin of a tie target (``lm_head.weight``) is its source (``transformer.wte.weight``) and
         vice versa. Checkpoints hold the source; both copies start equal and get the same gradients.
+        Pairs whose two ends are both on this stage (BERT's decoder bias and ``cls.predictions.bias``)
+        share one parameter and are not listed.
         """
         context = self.parallel_context
         if context.pipeline_parallel_size == 1 or not getattr(self.config, "tie_word_embeddings", False):
             return {}
-        local = {name for name, _ in self.named_parameters()}
+        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
         twins = {}
         for target, source in sorted((self._tied_weights_keys or {}).items()):
             if target in local and source not in local:
@@ -808,6 +814,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
+        if not isinstance(config, cls.config_class):
+            raise TypeError(
+                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}: "
+                f"the architectures differ. Pass a {cls.config_class.__name__}, or use the class for "
+                f"{type(config).__name__}."
+            )
         config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
         if resize_token_embeddings is not None:
             config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)

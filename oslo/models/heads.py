@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import (
     CausalLMOutputWithCrossAttentions,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
@@ -34,10 +36,12 @@ from transformers.modeling_outputs import (
 
 from oslo.models.base import logits_not_gathered
 from oslo.parallel.layers import VocabParallelLMHead
-from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
+from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
 
 __all__ = [
     "CausalLMHead",
+    "MaskedLMHead",
+    "MultipleChoiceHead",
     "QuestionAnsweringHead",
     "SequenceClassificationHead",
     "TokenClassificationHead",
@@ -225,15 +229,40 @@ class TokenClassificationHead(ClassifierDropout):
 
 
 class SequenceClassificationHead:
-    """A class (or regression targets) per sequence, from the hidden state of the sequence's last
-    non-padding token (``config.pad_token_id`` finds it; left and right padding both work), as
-    transformers' decoders pool. The loss (regression, single- or multi-label) follows
-    ``config.problem_type``, decided from the labels as transformers does, on every rank."""
+    """A class (or regression targets) per sequence. The loss (regression, single- or multi-label) follows
+    ``config.problem_type``, decided from the labels as transformers does, on every rank.
+
+    How a sequence is pooled, and the classifier's name, are declared by the class:
+
+    * ``_sequence_pooling = "last_token"`` (default, transformers' decoders such as GPT2): the hidden state
+      of the sequence's last non-padding token (``config.pad_token_id`` finds it; left and right padding
+      both work);
+    * ``_sequence_pooling = "pooler"`` (transformers' encoders such as BERT): the body's ``pooler_output``.
+
+    ``_sequence_classifier`` names the linear layer (``"score"``; BERT: ``"classifier"``),
+    ``_sequence_classifier_bias`` whether it has a bias, ``_sequence_classifier_dropout`` whether a dropout
+    (:meth:`ClassifierDropout._classifier_dropout_probability`) comes before it, and
+    ``_sequence_classification_output_class`` the output class.
+    """
+
+    _sequence_pooling: str = "last_token"
+    _sequence_classifier: str = "score"
+    _sequence_classifier_bias: bool = False
+    _sequence_classifier_dropout: bool = False
+    _sequence_classification_output_class: type = SequenceClassifierOutputWithPast
 
     def _build_sequence_classification_head(self, config) -> None:
+        if self._sequence_pooling not in ("last_token", "pooler"):
+            raise ValueError(
+                f"{type(self).__name__}._sequence_pooling is {self._sequence_pooling!r}; use 'last_token' or 'pooler'."
+            )
         self.num_labels = config.num_labels
+        if self._sequence_classifier_dropout:
+            self.dropout = nn.Dropout(ClassifierDropout._classifier_dropout_probability(config))
         last = self.parallel_context.is_pipeline_last_stage()
-        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False) if last else None
+        classifier = (nn.Linear(config.hidden_size, self.num_labels, bias=self._sequence_classifier_bias)
+                      if last else None)
+        setattr(self, self._sequence_classifier, classifier)
 
     def forward(
         self,
@@ -253,23 +282,34 @@ class SequenceClassificationHead:
         if kind == "single_label_classification":  # cross entropy on classes
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        if self.config.pad_token_id is None and batch_size != 1:
+        last_token_pooling = self._sequence_pooling == "last_token"
+        if last_token_pooling and self.config.pad_token_id is None and batch_size != 1:
             raise ValueError(
                 f"{type(self).__name__} needs config.pad_token_id to find the last token of each of the "
                 f"{batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
             )
 
         def head(outputs, inputs, head_inputs, outputs_needed):
-            logits = self.score(outputs.last_hidden_state)  # (B, T, num_labels)
-            input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
-            if pad_token_id is None or input_ids is None:
-                last_token = -1
+            classifier = getattr(self, self._sequence_classifier)
+            if not last_token_pooling:
+                pooled = outputs.pooler_output  # (B, C)
+                if self._sequence_classifier_dropout:
+                    pooled = self.dropout(pooled)
+                pooled_logits = classifier(pooled)  # (B, num_labels)
             else:
-                # The rightmost non-pad token, so both left and right padding work.
-                not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
-                positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-                last_token = (positions * not_pad).argmax(-1)
-            pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
+                hidden_states = outputs.last_hidden_state
+                if self._sequence_classifier_dropout:
+                    hidden_states = self.dropout(hidden_states)
+                logits = classifier(hidden_states)  # (B, T, num_labels)
+                input_ids, pad_token_id = inputs["input_ids"], self.config.pad_token_id
+                if pad_token_id is None or input_ids is None:
+                    last_token = -1
+                else:
+                    # The rightmost non-pad token, so both left and right padding work.
+                    not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+                    positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+                    last_token = (positions * not_pad).argmax(-1)
+                pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), last_token]
             loss = None
             if head_inputs["labels"] is not None:
                 loss = LossSum(sequence_classification_loss_sum(kind, self.num_labels, pooled_logits,
@@ -281,7 +321,7 @@ class SequenceClassificationHead:
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
             head,
-            SequenceClassifierOutputWithPast,
+            self._sequence_classification_output_class,
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=return_dict,
@@ -348,6 +388,141 @@ class QuestionAnsweringHead:
             return_dict=return_dict,
             body_kwargs=kwargs,
             loss_items=loss_items,
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+class MaskedLMHead:
+    """Masked language modeling: a prediction per position over a vocabulary split across tensor-parallel
+    ranks, against unshifted labels (``-100``: not predicted), as transformers' ``...ForMaskedLM``.
+
+    The architecture supplies the prediction: :meth:`_lm_logits` (this rank's vocabulary columns of the
+    logits; BERT's transform + decoder tied to the word embeddings, with its own bias split by vocabulary
+    like the decoder) and :meth:`_vocab_projection` (the :class:`~oslo.parallel.layers.VocabParallelLMHead`
+    that produces them, whose vocabulary range and group the loss and the gather use), or builds a plain
+    projection with :meth:`_build_masked_lm_head`. The loss is a vocabulary-parallel cross entropy on the
+    split logits (never gathered for it); the logits are gathered for the output as
+    :class:`CausalLMHead` does (not in a training call unless ``gather_logits=True``).
+    """
+
+    _masked_lm_output_class: type = MaskedLMOutput
+
+    def _build_masked_lm_head(self, config, bias: bool = True) -> None:
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.lm_head = (
+            VocabParallelLMHead(config.hidden_size, config.vocab_size, bias, parallel_context=self.parallel_context)
+            if last else None
+        )
+
+    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
+        return self.lm_head(hidden_states)
+
+    def _vocab_projection(self) -> VocabParallelLMHead:
+        """The vocabulary-split projection (its vocabulary range, group and ``gather``)."""
+        return self.lm_head
+
+    @staticmethod
+    def _masked_lm_loss_sum(projection: VocabParallelLMHead, local_logits: torch.Tensor,
+                            labels: torch.Tensor) -> torch.Tensor:
+        """Sum over the labelled positions of the cross entropy of vocabulary-split logits (no shift)."""
+        start, stop = projection.weight_spec.vocab_range()
+        return vocab_parallel_cross_entropy(local_logits, labels.to(local_logits.device), vocab_start=start,
+                                            valid_columns=stop - start, group=projection.group).sum()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        gather_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """Masked language modeling, as transformers' ``...ForMaskedLM.forward`` (see the class)."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
+        gather = gather_logits_by_default(self, gather_logits, labels)
+
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            projection = self._vocab_projection()
+            local_logits = self._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = LossSum(self._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
+            logits = projection.gather(local_logits) if gather and outputs_needed else None
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            output_class_for(self, self._masked_lm_output_class, gather, gather_logits),
+            use_cache=False,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": class_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+class MultipleChoiceHead(ClassifierDropout):
+    """A score per choice: inputs are ``(batch, choices, length)`` (embeddings ``(batch, choices, length,
+    hidden)``); the body scores each choice as a row of its own (a body flattens the leading dimensions
+    of its inputs, as BERT's and GPT2's do), the body's ``pooler_output`` goes through dropout and a linear
+    layer to one score, reshaped to ``(batch, choices)``; the loss is the cross entropy over the choices.
+    Pipeline micro-batches split the batch by examples, all of an example's choices together."""
+
+    def _build_multiple_choice_head(self, config) -> None:
+        self.dropout = nn.Dropout(self._classifier_dropout_probability(config))
+        last = self.parallel_context.is_pipeline_last_stage()
+        self.classifier = nn.Linear(config.hidden_size, 1) if last else None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput | tuple:
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if inputs is None or inputs.dim() < (3 if input_ids is not None else 4):
+            raise ValueError(
+                f"{type(self).__name__} takes (batch, choices, length) input_ids (or (batch, choices, length, "
+                f"hidden) inputs_embeds), got shape {None if inputs is None else tuple(inputs.shape)}."
+            )
+        num_choices = inputs.shape[1]
+        if labels is not None:
+            check_labels(labels, num_choices, classes=True)  # every rank, before any communication
+
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)  # (B, choices)
+            loss = None
+            if head_inputs["labels"] is not None:
+                labels = head_inputs["labels"].to(logits.device)
+                loss = LossSum(F.cross_entropy(logits, labels.view(-1), reduction="sum"))
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            {"labels": labels},
+            head,
+            MultipleChoiceModelOutput,
+            use_cache=False,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": class_items(batch["labels"])},
             num_items_in_batch=num_items_in_batch,
         )
 

@@ -89,10 +89,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, skip_bias_add: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False, input_is_copied: bool = False) -> torch.Tensor:
         """``x @ W_local (+ b_local)``; ``skip_bias_add=True`` leaves the bias to the caller (a fused
-        bias + activation kernel)."""
-        x = copy_to_tensor_parallel(x, self.group)
+        bias + activation kernel). ``input_is_copied=True``: ``x`` already went through
+        :func:`~oslo.parallel.mappings.copy_to_tensor_parallel` once for several layers reading it (separate
+        q, k, v projections), so its gradient is all-reduced once, not once per layer."""
+        if not input_is_copied:
+            x = copy_to_tensor_parallel(x, self.group)
         out = _linear(x, self.weight, None if skip_bias_add else self.bias, self.transposed)
         if self.gather_output:
             out = gather_from_tensor_parallel(out, self.group, dim=-1)
