@@ -1,6 +1,6 @@
 """oslo: pre-parallelized Hugging Face transformer models."""
 
-from transformers import GPT2Config
+from transformers import BertConfig, GPT2Config, GPTNeoConfig
 
 from oslo.data import (
     DatasetBlender,
@@ -11,6 +11,23 @@ from oslo.data import (
 )
 from oslo.models import (
     GPT2MLP,
+    BertAttention,
+    BertEmbeddings,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertIntermediate,
+    BertLayer,
+    BertLMHeadModel,
+    BertModel,
+    BertOutput,
+    BertPreTrainedModel,
+    BertSelfAttention,
+    BertSelfOutput,
     GPT2Attention,
     GPT2Block,
     GPT2DoubleHeadsModel,
@@ -20,12 +37,39 @@ from oslo.models import (
     GPT2LMHeadModel,
     GPT2Model,
     GPT2PreTrainedModel,
+    GPTNeoAttention,
+    GPTNeoBlock,
+    GPTNeoForCausalLM,
+    GPTNeoForQuestionAnswering,
+    GPTNeoForSequenceClassification,
+    GPTNeoForTokenClassification,
+    GPTNeoMLP,
+    GPTNeoModel,
+    GPTNeoPreTrainedModel,
 )
 from oslo.parallel import ParallelContext, clip_grad_norm_
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BertConfig",
+    "BertEmbeddings",
+    "BertSelfAttention",
+    "BertSelfOutput",
+    "BertAttention",
+    "BertIntermediate",
+    "BertOutput",
+    "BertLayer",
+    "BertPreTrainedModel",
+    "BertModel",
+    "BertForPreTraining",
+    "BertLMHeadModel",
+    "BertForMaskedLM",
+    "BertForNextSentencePrediction",
+    "BertForSequenceClassification",
+    "BertForMultipleChoice",
+    "BertForTokenClassification",
+    "BertForQuestionAnswering",
     "GPT2Config",
     "GPT2Attention",
     "GPT2MLP",
@@ -37,6 +81,16 @@ __all__ = [
     "GPT2ForSequenceClassification",
     "GPT2ForTokenClassification",
     "GPT2ForQuestionAnswering",
+    "GPTNeoConfig",
+    "GPTNeoAttention",
+    "GPTNeoMLP",
+    "GPTNeoBlock",
+    "GPTNeoPreTrainedModel",
+    "GPTNeoModel",
+    "GPTNeoForCausalLM",
+    "GPTNeoForSequenceClassification",
+    "GPTNeoForTokenClassification",
+    "GPTNeoForQuestionAnswering",
     "ParallelContext",
     "DatasetPreprocessor",
     "DatasetForCausalLM",

@@ -1,6 +1,25 @@
 """oslo's parallel model classes, one architecture per file."""
 
 from oslo.models.base import OsloPreTrainedModel
+from oslo.models.bert import (
+    BertAttention,
+    BertEmbeddings,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertIntermediate,
+    BertLayer,
+    BertLMHeadModel,
+    BertModel,
+    BertOutput,
+    BertPreTrainedModel,
+    BertSelfAttention,
+    BertSelfOutput,
+)
 from oslo.models.gpt2 import (
     GPT2MLP,
     GPT2Attention,
@@ -13,9 +32,37 @@ from oslo.models.gpt2 import (
     GPT2Model,
     GPT2PreTrainedModel,
 )
+from oslo.models.gpt_neo import (
+    GPTNeoAttention,
+    GPTNeoBlock,
+    GPTNeoForCausalLM,
+    GPTNeoForQuestionAnswering,
+    GPTNeoForSequenceClassification,
+    GPTNeoForTokenClassification,
+    GPTNeoMLP,
+    GPTNeoModel,
+    GPTNeoPreTrainedModel,
+)
 
 __all__ = [
     "OsloPreTrainedModel",
+    "BertEmbeddings",
+    "BertSelfAttention",
+    "BertSelfOutput",
+    "BertAttention",
+    "BertIntermediate",
+    "BertOutput",
+    "BertLayer",
+    "BertPreTrainedModel",
+    "BertModel",
+    "BertForPreTraining",
+    "BertLMHeadModel",
+    "BertForMaskedLM",
+    "BertForNextSentencePrediction",
+    "BertForSequenceClassification",
+    "BertForMultipleChoice",
+    "BertForTokenClassification",
+    "BertForQuestionAnswering",
     "GPT2Attention",
     "GPT2MLP",
     "GPT2Block",
@@ -26,4 +73,13 @@ __all__ = [
     "GPT2ForSequenceClassification",
     "GPT2ForTokenClassification",
     "GPT2ForQuestionAnswering",
+    "GPTNeoAttention",
+    "GPTNeoMLP",
+    "GPTNeoBlock",
+    "GPTNeoPreTrainedModel",
+    "GPTNeoModel",
+    "GPTNeoForCausalLM",
+    "GPTNeoForSequenceClassification",
+    "GPTNeoForTokenClassification",
+    "GPTNeoForQuestionAnswering",
 ]

@@ -28,3 +28,9 @@ def test_zoo(checkpoints, tmp_path, arch, tp, pp):
     expected = {case.name for case in zoo.cases_of(arch) if (tp, pp) in zoo.LAYOUTS or case.anchor}
     assert set(results[0]) == expected
     assert all(result == results[0] for result in results)
+
+
+@pytest.mark.parametrize("arch", sorted({case.arch for case in zoo.all_cases()}))
+def test_two_all_reduces_per_block_each_way(arch):
+    results = run_distributed(zoo.count_block_all_reduces, 2, arch)
+    assert results == [(2, 2), (2, 2)], results

@@ -248,3 +248,35 @@ def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: st
             done.append("checkpoints")
         checked[case.name] = done
     return checked
+
+
+def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int, int]:
+    """All-reduces of one block of ``arch``'s anchor class at tensor parallelism, forward and backward
+    (the Megatron minimum is 2 and 2: after the attention's and the MLP's row-parallel layer, and before
+    their column-parallel ones)."""
+    from oslo.parallel.pipeline import StageLayers
+
+    case = next(c for c in cases_of(arch) if c.anchor)
+    model = getattr(oslo, case.name).from_config_with_parallel(case.config(), tensor_parallel_size=world_size,
+                                                              seed=0)
+    layers = next(m for m in model.modules() if isinstance(m, StageLayers))
+    block = next(iter(layers))
+    hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden.requires_grad_()
+    counts = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        counts[-1] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        counts.append(0)
+        out = block(hidden)
+        out = out[0] if isinstance(out, tuple) else out
+        counts.append(0)
+        out.square().sum().backward()
+    finally:
+        dist.all_reduce = original
+    return tuple(counts)

@@ -1,0 +1,460 @@
+"""GPT-Neo, tensor-parallel, with every head transformers offers for it.
+
+Reads like transformers' single-device GPT-Neo and keeps its parameter names
+(``transformer.h.{i}.attn.attention.q_proj`` ...) and ``nn.Linear`` layouts, so transformers checkpoints
+load as they are and merged ones load back in transformers. Attention is split by heads: ``q_proj``,
+``k_proj``, ``v_proj`` (no bias) are column-parallel, ``out_proj`` row-parallel; the MLP is column- then
+row-parallel. Under tensor parallelism every block does two all-reduces forward (after ``out_proj`` and
+``c_proj``) and two backward.
+
+What sets GPT-Neo apart from GPT2, and how this file follows transformers:
+
+* Layers alternate between ``"global"`` (causal) and ``"local"`` attention as ``config.attention_layers``
+  says; a local layer's query sees itself and the ``window_size - 1`` keys before it. transformers keeps a
+  ``max_positions x max_positions`` boolean buffer per layer for this (``tril ^ tril(-window)``, sliced at
+  ``[k_len - q_len : k_len, :k_len]``); here the same window is computed from the query and key lengths
+  of each call (:func:`causal_window`): no buffer to allocate per layer (4 MiB each at 2048 positions) nor
+  to initialize after the meta-device build, and the same values bit for bit.
+* Scores are not scaled, and are computed in float32 (query and key cast), as transformers does; keys
+  outside the causal window get ``finfo(float32).min``, then the padding mask (``create_causal_mask``) is
+  added, the softmax runs in float32 and the probabilities are cast back to the values' dtype.
+* Only eager attention exists in transformers for GPT-Neo (no sdpa), so the masks are additive.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GPTNeoConfig
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
+from oslo.models.base import OsloPreTrainedModel
+from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.heads import (
+    CausalLMHead,
+    QuestionAnsweringHead,
+    SequenceClassificationHead,
+    TokenClassificationHead,
+)
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
+from oslo.parallel.pipeline import StageLayers
+
+ATTENTION_TYPES = ("global", "local")
+
+
+def causal_window(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``(q_len, k_len)`` boolean, True where a query may attend a key: causal, bottom-right aligned (the
+    queries are the last ``q_len`` of the ``k_len`` positions, as with a KV cache), and with ``window``
+    only the ``window`` most recent keys, its own included (GPT-Neo's local layers)."""
+    queries = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    keys = torch.arange(k_len, device=device)[None, :]
+    keep = keys <= queries
+    if window is not None:
+        keep = keep & (keys > queries - window)
+    return keep
+
+
+class GPTNeoSelfAttention(nn.Module):
+    """Causal self-attention over this rank's heads, global or local (a sliding window)."""
+
+    def __init__(
+        self,
+        config: GPTNeoConfig,
+        attention_type: str,
+        layer_id: int,
+        parallel_context: ParallelContext,
+        cache_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.attention_type = attention_type
+        self.window = config.window_size if attention_type == "local" else None
+        self.layer_id = layer_id
+        # Slot in the KV cache: the layer index, except on a later pipeline stage, whose cache holds
+        # only its own layers (from slot 0).
+        self.cache_idx = layer_id if cache_idx is None else cache_idx
+        self.is_causal = True
+        self.embed_dim = config.hidden_size
+        self.head_dim = self.embed_dim // config.num_heads
+        self.rng = parallel_context.rng
+        self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.fused = False
+
+        context = parallel_context
+        self.k_proj = ColumnParallelLinear(self.embed_dim, self.embed_dim, bias=False, parallel_context=context)
+        self.v_proj = ColumnParallelLinear(self.embed_dim, self.embed_dim, bias=False, parallel_context=context)
+        self.q_proj = ColumnParallelLinear(self.embed_dim, self.embed_dim, bias=False, parallel_context=context)
+        self.out_proj = RowParallelLinear(self.embed_dim, self.embed_dim, parallel_context=context)
+        self.attn_dropout = nn.Dropout(float(config.attention_dropout))
+        self.resid_dropout = nn.Dropout(float(config.resid_dropout))
+
+    def _heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = tensor.shape
+        return tensor.view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
+        batch, length, _ = hidden_states.shape
+        # One copy into the tensor-parallel region for q, k and v: one all-reduce backward, not three.
+        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
+        query = self._heads(self.q_proj(shared, input_is_copied=True))
+        key = self._heads(self.k_proj(shared, input_is_copied=True))
+        value = self._heads(self.v_proj(shared, input_is_copied=True))
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
+
+        # Unscaled scores, in float32 whatever the model's dtype (as transformers computes them).
+        scores = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)  # (B, nh_local, T, T_all)
+        if self.fused:
+            mask = attention_mask
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.to(scores.dtype)  # what adding it to the float32 scores promotes it to
+            probs = scaled_masked_softmax(scores, mask, 1.0, causal=True, window=self.window)
+        else:
+            keep = causal_window(query.shape[-2], key.shape[-2], self.window, scores.device)
+            scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+            if attention_mask is not None:
+                scores = scores + attention_mask
+            probs = nn.functional.softmax(scores, dim=-1)
+        probs = probs.to(value.dtype)
+        if self.training and self.attn_dropout.p > 0:
+            # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
+            with self.rng.split():
+                probs = self.attn_dropout(probs)
+        attn_output = (probs @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh_local * hs)
+
+        if self.fused:
+            out = self.out_proj(attn_output, skip_bias_add=True)
+            hidden_states = bias_dropout_add(out, self.out_proj.bias, residual, self.resid_dropout.p, self.training)
+        else:
+            hidden_states = self.resid_dropout(self.out_proj(attn_output)) + residual
+
+        weights = None
+        if output_attentions:
+            weights = gather_from_tensor_parallel(probs, self.tensor_parallel_group, dim=1)
+        return hidden_states, weights
+
+
+class GPTNeoAttention(nn.Module):
+    """A layer's attention as ``config.attention_layers`` types it (``"global"`` or ``"local"``), under
+    transformers' name ``attn.attention``. ``fuse()`` switches mask + softmax (sliding window included)
+    and bias + dropout + residual to oslo's fused kernels (Triton on CUDA, torch reference on CPU)."""
+
+    def __init__(
+        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext, cache_idx: int | None = None
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_type = config.attention_layers[layer_id]
+        if self.attention_type not in ATTENTION_TYPES:
+            raise NotImplementedError(
+                f"GPT-Neo layer {layer_id} has attention type {self.attention_type!r}; only {ATTENTION_TYPES} "
+                f"exist (config.attention_layers: {config.attention_layers})."
+            )
+        self.attention = GPTNeoSelfAttention(config, self.attention_type, layer_id, parallel_context, cache_idx)
+
+    def fuse(self) -> None:
+        self.attention.fused = True
+
+    @property
+    def fused(self) -> bool:
+        return self.attention.fused
+
+    def forward(self, hidden_states, residual, past_key_values=None, attention_mask=None, output_attentions=False):
+        return self.attention(hidden_states, residual, past_key_values, attention_mask, output_attentions)
+
+
+class GPTNeoMLP(nn.Module):
+    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + dropout + residual to
+    oslo's fused kernel, and bias + activation too when the activation is a GeLU the kernel computes
+    exactly (``gelu``, ``gelu_new``...; any other activation keeps its own math, unfused)."""
+
+    def __init__(self, intermediate_size: int, config: GPTNeoConfig, parallel_context: ParallelContext) -> None:
+        super().__init__()
+        embed_dim = config.hidden_size
+        self.c_fc = ColumnParallelLinear(embed_dim, intermediate_size, parallel_context=parallel_context)
+        self.c_proj = RowParallelLinear(intermediate_size, embed_dim, parallel_context=parallel_context)
+        self.activation_function = config.activation_function
+        self.act = ACT2FN[config.activation_function]
+        self.dropout = nn.Dropout(float(config.resid_dropout))
+        self.fused = False
+        self.gelu_approximation: str | None = None
+
+    def fuse(self) -> None:
+        self.gelu_approximation = HF_GELU_APPROXIMATIONS.get(self.activation_function)
+        self.fused = True
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Return ``residual + mlp(hidden_states)``."""
+        if not self.fused:
+            hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
+            return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+        if self.gelu_approximation is not None:
+            hidden_states = self.c_fc(hidden_states, skip_bias_add=True)
+            hidden_states = bias_gelu(hidden_states, self.c_fc.bias, self.gelu_approximation)
+        else:
+            hidden_states = self.act(self.c_fc(hidden_states))
+        out = self.c_proj(hidden_states, skip_bias_add=True)
+        return bias_dropout_add(out, self.c_proj.bias, residual, self.dropout.p, self.training)
+
+
+class GPTNeoBlock(GradientCheckpointingLayer):
+    def __init__(
+        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext, cache_idx: int | None = None
+    ) -> None:
+        super().__init__()
+        hidden_size = config.hidden_size
+        inner_dim = config.intermediate_size if config.intermediate_size is not None else 4 * hidden_size
+        self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPTNeoAttention(config, layer_id, parallel_context, cache_idx)
+        self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPTNeoMLP(inner_dim, config, parallel_context)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden_states, attn_weights = self.attn(
+            self.ln_1(hidden_states),
+            residual=hidden_states,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            output_attentions=output_attentions,
+        )
+        hidden_states = self.mlp(self.ln_2(hidden_states), residual=hidden_states)
+        return hidden_states, attn_weights
+
+
+class GPTNeoPreTrainedModel(OsloPreTrainedModel):
+    config_class = GPTNeoConfig
+    config: GPTNeoConfig
+    base_model_prefix = "transformer"
+    _no_split_modules = ["GPTNeoBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # Older GPT-Neo checkpoints hold transformers' (recomputed) attention masks.
+    _keys_to_ignore_on_load_unexpected = [r"attn\.attention\.bias", r"attn\.attention\.masked_bias"]
+    _supports_pipeline_parallel = True
+    supports_gradient_checkpointing = True
+
+    @classmethod
+    def _validate_parallel_config(cls, config: GPTNeoConfig, tensor_parallel_size: int) -> None:
+        heads = config.num_heads
+        inner = config.intermediate_size if config.intermediate_size is not None else 4 * config.hidden_size
+        if heads % tensor_parallel_size != 0:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
+                f"(num_heads={heads}): each rank must hold whole heads. Use one of {divisors}."
+            )
+        if inner % tensor_parallel_size != 0:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size "
+                f"(intermediate_size={inner}). Use a tensor_parallel_size that divides both num_heads={heads} "
+                f"and {inner}."
+            )
+        unknown = sorted(set(config.attention_layers) - set(ATTENTION_TYPES))
+        if unknown:
+            raise ValueError(
+                f"config.attention_layers holds attention types {unknown}; GPT-Neo has only {list(ATTENTION_TYPES)}."
+            )
+
+
+class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
+    output_class = BaseModelOutputWithPast
+
+    def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        context = self.parallel_context
+        self.embed_dim = config.hidden_size
+        # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
+        # its range of blocks, the final LayerNorm on the last.
+        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
+        self.wte = (
+            VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
+        )
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
+        self.drop = nn.Dropout(float(config.embed_dropout))
+        self.h = StageLayers.build(config.num_layers,
+                                   lambda i, slot: GPTNeoBlock(config, i, context, cache_idx=slot), context)
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
+        self.wte = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        """As transformers' ``GPTNeoModel.forward`` (under pipeline parallelism: one pass without
+        gradients over every stage, whose output every stage returns)."""
+        return self.run(self.prepare(
+            input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            return_dict=return_dict, **kwargs,
+        ))
+
+    def prepare(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> BodyState:
+        config = self.config
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # the recomputation would add the keys and values a second time
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)  # each rank caches its own heads
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
+        length = embeds.shape[1]
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.view(-1, length)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(length, device=embeds.device) + past_seen)[None]
+        # The padding + causal mask (additive: GPT-Neo attends eagerly); each local layer adds its window.
+        causal_mask = create_causal_mask(
+            config=config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        return BodyState(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
+            position_ids=position_ids, causal_mask=causal_mask, past_key_values=past_key_values,
+            output_attentions=output_attentions,
+            return_dict=return_dict if return_dict is not None else config.return_dict,
+            hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
+        )
+
+    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+        inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
+        hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
+        if state.token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(state.token_type_ids)
+        return {"hidden_states": self.drop(hidden_states)}
+
+    def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
+        hidden_states = payload["hidden_states"]
+        for block in self.h:
+            if state.hidden_states is not None:
+                state.hidden_states += (hidden_states,)
+            hidden_states, attn_weights = block(
+                hidden_states,
+                past_key_values=state.past_key_values,
+                attention_mask=state.causal_mask,
+                output_attentions=state.output_attentions,
+            )
+            if state.attentions is not None:
+                state.attentions += (attn_weights,)
+        return {"hidden_states": hidden_states}
+
+    def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> BaseModelOutputWithPast:
+        hidden_states = self.ln_f(payload["hidden_states"])
+        if state.hidden_states is not None:
+            state.hidden_states += (hidden_states,)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=state.past_key_values,
+            hidden_states=state.hidden_states,
+            attentions=state.attentions,
+        )
+
+
+class GPTNeoForCausalLM(CausalLMHead, GPTNeoPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _lm_output_class = CausalLMOutputWithPast
+
+    def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.transformer = GPTNeoModel(config, self.parallel_context)
+        self._build_causal_lm_head(config)
+        self.post_init()
+
+
+class GPTNeoForSequenceClassification(SequenceClassificationHead, GPTNeoPreTrainedModel):
+    def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.transformer = GPTNeoModel(config, self.parallel_context)
+        self._build_sequence_classification_head(config)
+        self.post_init()
+
+
+class GPTNeoForTokenClassification(TokenClassificationHead, GPTNeoPreTrainedModel):
+    def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.transformer = GPTNeoModel(config, self.parallel_context)
+        self._build_token_classification_head(config)
+        self.post_init()
+
+
+class GPTNeoForQuestionAnswering(QuestionAnsweringHead, GPTNeoPreTrainedModel):
+    def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
+        super().__init__(config, parallel_context)
+        self.transformer = GPTNeoModel(config, self.parallel_context)
+        self._build_question_answering_head(config)
+        self.post_init()
+
+
+__all__ = [
+    "GPTNeoSelfAttention",
+    "GPTNeoAttention",
+    "GPTNeoMLP",
+    "GPTNeoBlock",
+    "GPTNeoPreTrainedModel",
+    "GPTNeoModel",
+    "GPTNeoForCausalLM",
+    "GPTNeoForSequenceClassification",
+    "GPTNeoForTokenClassification",
+    "GPTNeoForQuestionAnswering",
+]
