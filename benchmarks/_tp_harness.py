@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs.
+"""Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs and
+the architectures the scripts measure (GPT2, GPT-Neo, BERT: :data:`ARCHS`).
 
 Imported by the scripts in this folder (``python benchmarks/<name>.py`` puts the folder on
 ``sys.path``). Importing it pins the parent process to one torch thread *before* any torch work, so
@@ -14,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import collections
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -23,11 +25,12 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
-from transformers import GPT2Config
+from transformers import BertConfig, GPT2Config, GPTNeoConfig, PretrainedConfig
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
@@ -216,9 +219,10 @@ def _group_worker(setup, rank, world_size, port, threads, env, args, conn) -> No
 # ---------------------------------------------------------------------------------------------
 def gpt2_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0,
                 **overrides) -> GPT2Config:
-    """A GPT2 config of the published shapes (vocab 50257, 1024 positions); ``n_layer`` may be reduced."""
-    shapes = {"small": (768, 12, 12), "medium": (1024, 24, 16)}
-    n_embd, layers, n_head = shapes[size]
+    """A GPT2 config of the published shapes (vocab 50257, 1024 positions; ``small``: gpt2, ``medium`` or
+    ``large``: gpt2-medium); ``n_layer`` may be reduced."""
+    shapes = {"small": (768, 12, 12), "large": (1024, 24, 16)}
+    n_embd, layers, n_head = shapes[_size(size)]
     values = {
         "vocab_size": 50257, "n_positions": 1024, "n_embd": n_embd, "n_layer": n_layer or layers,
         "n_head": n_head, "tie_word_embeddings": True, "resid_pdrop": dropout, "embd_pdrop": dropout,
@@ -228,9 +232,120 @@ def gpt2_config(size: str = "small", n_layer: int | None = None, dropout: float 
     return GPT2Config(**values)
 
 
-def describe(config: GPT2Config) -> str:
-    return (f"n_embd={config.n_embd} n_layer={config.n_layer} n_head={config.n_head} "
-            f"vocab={config.vocab_size} n_positions={config.n_positions}")
+def gpt_neo_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0,
+                   window_size: int = 256, **overrides) -> GPTNeoConfig:
+    """A GPT-Neo config of the published shapes (``small``: gpt-neo-125M, hidden 768, 12 layers, 12
+    heads; ``large``: gpt-neo-1.3B, hidden 2048, 24 layers, 16 heads; vocab 50257, 2048 positions),
+    layers alternating global / local attention (window 256) as the checkpoints do."""
+    hidden, layers, heads = {"small": (768, 12, 12), "large": (2048, 24, 16)}[_size(size)]
+    layers = n_layer or layers
+    attention_types = [[["global", "local"], layers // 2]] + ([[["global"], 1]] if layers % 2 else [])
+    values = {
+        "vocab_size": 50257, "max_position_embeddings": 2048, "hidden_size": hidden, "num_layers": layers,
+        "num_heads": heads, "attention_types": attention_types, "window_size": window_size,
+        "embed_dropout": dropout, "attention_dropout": dropout, "resid_dropout": dropout,
+        "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": 50256,
+    }
+    values.update(overrides)
+    return GPTNeoConfig(**values)
+
+
+def bert_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0, **overrides) -> BertConfig:
+    """A BERT config of the published shapes (``small``: bert-base, hidden 768, 12 layers, 12 heads, MLP
+    3072; ``large``: bert-large, hidden 1024, 24 layers, 16 heads, MLP 4096; vocab 30522, 2 token types,
+    512 positions)."""
+    hidden, layers, heads = {"small": (768, 12, 12), "large": (1024, 24, 16)}[_size(size)]
+    values = {
+        "vocab_size": 30522, "type_vocab_size": 2, "max_position_embeddings": 512, "hidden_size": hidden,
+        "num_hidden_layers": n_layer or layers, "num_attention_heads": heads, "intermediate_size": 4 * hidden,
+        "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout, "pad_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+    values.update(overrides)
+    return BertConfig(**values)
+
+
+def _size(size: str) -> str:
+    return {"small": "small", "medium": "large", "large": "large"}[size]
+
+
+def describe(config: PretrainedConfig) -> str:
+    if config.model_type == "gpt2":
+        return (f"n_embd={config.n_embd} n_layer={config.n_layer} n_head={config.n_head} "
+                f"vocab={config.vocab_size} n_positions={config.n_positions}")
+    text = (f"hidden={config.hidden_size} layers={config.num_hidden_layers} heads={config.num_attention_heads} "
+            f"vocab={config.vocab_size} max_position={config.max_position_embeddings}")
+    if config.model_type == "gpt_neo":
+        kinds = collections.Counter(config.attention_layers)
+        text += (f" intermediate={config.intermediate_size or 4 * config.hidden_size} "
+                 f"attention {kinds['global']} global + {kinds['local']} local (window {config.window_size})")
+    elif config.model_type == "bert":
+        text += f" intermediate={config.intermediate_size} type_vocab={config.type_vocab_size}"
+        if config.is_decoder:
+            text += " is_decoder"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arch:
+    """What the scripts need to know about one architecture: its classes (same names in oslo and
+    transformers), its config shapes and its module names (to attribute collectives to regions)."""
+
+    name: str
+    lm_class: str  # the language model a training step runs (with labels)
+    causal_class: str | None  # the class that generates (None: not measured)
+    make_config: Callable[..., PretrainedConfig]
+    block_prefix: str  # the blocks are "<block_prefix>.<i>"
+    embedding_prefix: str  # the vocabulary-parallel word embedding
+    head_prefix: str  # the vocabulary projection and what runs before it in the head
+    masked: bool  # masked-LM labels (15 % of positions, -100 elsewhere) instead of the inputs
+
+    def config(self, size: str = "small", n_layer: int | None = None, dropout: float = 0.0,
+               **overrides) -> PretrainedConfig:
+        return self.make_config(size, n_layer=n_layer, dropout=dropout, **overrides)
+
+    def oslo_class(self, causal: bool = False) -> type:
+        import oslo
+
+        return getattr(oslo, self.causal_class if causal else self.lm_class)
+
+    def hf_class(self, causal: bool = False) -> type:
+        return getattr(transformers, self.causal_class if causal else self.lm_class)
+
+    def causal_config(self, config: PretrainedConfig) -> PretrainedConfig:
+        """The config ``causal_class`` generates with (BERT: a copy with ``is_decoder=True``)."""
+        if self.name != "bert":
+            return config
+        values = config.to_dict()
+        values["is_decoder"] = True
+        return type(config)(**values)
+
+    def labels(self, input_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Training labels: the inputs for a causal LM (the model shifts them); for a masked LM the
+        input token at 15 % of the positions (drawn with ``generator``), -100 (ignored) elsewhere."""
+        if not self.masked:
+            return input_ids
+        chosen = torch.rand(input_ids.shape, generator=generator) < 0.15
+        chosen[..., 0] = True  # at least one labelled position per row
+        return torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+
+
+ARCHS: dict[str, Arch] = {
+    "gpt2": Arch("gpt2", "GPT2LMHeadModel", "GPT2LMHeadModel", gpt2_config, "transformer.h", "transformer.wte",
+                 "lm_head", masked=False),
+    "gpt_neo": Arch("gpt_neo", "GPTNeoForCausalLM", "GPTNeoForCausalLM", gpt_neo_config, "transformer.h",
+                    "transformer.wte", "lm_head", masked=False),
+    "bert": Arch("bert", "BertForMaskedLM", "BertLMHeadModel", bert_config, "bert.encoder.layer",
+                 "bert.embeddings.word_embeddings", "cls", masked=True),
+}
+
+
+def arch_names(choice: str) -> list[str]:
+    """``--arch`` value (one name, or ``all``) -> the architectures to run, in order."""
+    return list(ARCHS) if choice == "all" else [choice]
 
 
 # ---------------------------------------------------------------------------------------------

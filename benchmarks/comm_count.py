@@ -1,8 +1,11 @@
-"""Count the collectives of one GPT2 training step (forward + backward) under tensor parallelism.
+"""Count the collectives of one training step (forward + backward) under tensor parallelism, per block.
 
-Claim (issue 2, "Benchmarks / Communication"): per GPT2 block exactly 2 all-reduces forward and 2
-backward (the Megatron minimum), plus 1 for the embedding and at most 3 small (batch x seq sized)
-for the loss; nothing else. Counted by wrapping ``torch.distributed``, printed with bytes.
+Claim (issue 2, "Benchmarks / Communication", for GPT2; the same claim for GPT-Neo and BERT): per
+block exactly 2 all-reduces forward and 2 backward (the Megatron minimum), plus 1 for the embedding
+and at most 3 small (batch x seq sized) for the loss; nothing else. Counted by wrapping
+``torch.distributed``, printed with bytes. Architectures (``--arch``): GPT2 (``GPT2LMHeadModel``),
+GPT-Neo (``GPTNeoForCausalLM``, layers alternating global / local attention), BERT
+(``BertForMaskedLM`` with masked-LM labels: 15 % of the positions, -100 elsewhere).
 
 How it counts, on every rank:
 
@@ -15,15 +18,16 @@ How it counts, on every rank:
   group, so a collective issued some other way (a ``from torch.distributed import ...`` alias,
   DTensor, a C++ path) would still show up as a mismatch.
 
-The step is ``GPT2LMHeadModel(input_ids, labels=labels)`` (a training call, which does not gather the
-logits) then ``loss.backward()``, in training mode (dropout on). A second step with
+The step is ``model(input_ids, labels=labels)`` (a training call, which does not gather the logits)
+then ``loss.backward()``, in training mode (dropout on). A second step with
 ``gather_logits=True`` counts the logits all-gather that a user asks for when they want the full
 logits back. Before anything else every model call compares its inputs across the tensor-parallel
 group (``oslo.parallel.agreement.check_same_inputs``): one all-gather of two int64 per rank, counted
 as "input check".
 
-Run: ``python benchmarks/comm_count.py`` (tp 2 and 4, 2 layers of gpt2-small width);
-options: ``--tp 2 4 --n-layer 2 --batch 2 --seq 64 --size small|medium``.
+Run: ``python benchmarks/comm_count.py`` (every architecture, tp 2 and 4, 2 layers of gpt2 /
+gpt-neo-125M / bert-base width); options: ``--arch gpt2|gpt_neo|bert|all --tp 2 4 --n-layer 2
+--batch 2 --seq 64 --size small|large`` (``large``: gpt2-medium, gpt-neo-1.3B, bert-large widths).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import oslo
+import oslo  # noqa: F401 - imported once before the ranks fork (the architectures use it)
 
 COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -181,19 +185,19 @@ class C10dOpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _region(module: str, caller: str) -> str:
+def _region(module: str, caller: str, arch: bench.Arch) -> str:
     if "agreement.py" in caller:
         return "input check"
-    match = re.match(r"transformer\.h\.(\d+)(?:\.|$)", module)
+    match = re.match(re.escape(arch.block_prefix) + r"\.(\d+)(?:\.|$)", module)
     if match:
         return f"block {match.group(1)}"
-    if module.startswith("transformer.wte"):
+    if module.startswith(arch.embedding_prefix):
         return "embedding"
     if "loss.py" in caller:
         return "loss"
     if caller.endswith(":gather"):
         return "logits gather"
-    if module.startswith("lm_head"):
+    if module.startswith(arch.head_prefix):
         return "lm head"
     return f"other ({module} {caller})"
 
@@ -212,37 +216,39 @@ def _step(model, input_ids, labels, counter: CommCounter, gather_logits: bool) -
     return c10d, out.loss.item()
 
 
-def rank_main(rank: int, world_size: int, config, batch: int, seq: int) -> dict:
-    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
+def rank_main(rank: int, world_size: int, arch_name: str, config, batch: int, seq: int) -> dict:
+    arch = bench.ARCHS[arch_name]
+    model = arch.oslo_class().from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
     model.train()
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    labels = arch.labels(input_ids, generator)
     counter = CommCounter()
     counter.attach(model)
     counter.install()
     try:
         # Warm-up step (not recorded) so lazy initializations cannot pollute the count.
-        out = model(input_ids, labels=input_ids)
+        out = model(input_ids, labels=labels)
         out.loss.backward()
         runs = {}
         for gather_logits in (False, True):
             counter.records = []
-            c10d, loss = _step(model, input_ids, input_ids, counter, gather_logits)
+            c10d, loss = _step(model, input_ids, labels, counter, gather_logits)
             runs[gather_logits] = {"records": counter.records, "c10d": c10d, "loss": loss}
     finally:
         counter.uninstall()
     return runs
 
 
-def _summarize(records: list[dict]) -> dict:
+def _summarize(records: list[dict], arch: bench.Arch) -> dict:
     """(region, phase) -> list of records."""
     table: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
     for record in records:
-        table[(_region(record["module"], record["caller"]), record["phase"])].append(record)
+        table[(_region(record["module"], record["caller"], arch), record["phase"])].append(record)
     return table
 
 
-def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) -> bool:
+def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) -> tuple[bool, dict]:
     runs = runs_per_rank[0]
     same = all(
         [(r["op"], r["bytes"], r["phase"], r["module"]) for r in other[g]["records"]]
@@ -250,9 +256,9 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
         for other in runs_per_rank for g in (False, True)
     )
     records = runs[False]["records"]
-    table = _summarize(records)
+    table = _summarize(records, arch)
     tokens = batch * seq
-    print(f"\n-- tp={tp}: {describe_run(config, batch, seq)}; loss {runs[False]['loss']:.4f}; "
+    print(f"\n-- {arch.name}, tp={tp}: {describe_run(arch, config, batch, seq)}; loss {runs[False]['loss']:.4f}; "
           f"all ranks recorded identical calls: {same}")
     print(f"   {'region':<14} {'phase':<9} {'calls':>5}  {'op':<16} {'bytes/call (this rank)':>24}  "
           f"{'shape':<14} where")
@@ -263,7 +269,8 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
                   f"{shape:<14} {caller}")
 
     checks = []
-    blocks = range(config.n_layer)
+    layers = config.num_hidden_layers
+    blocks = range(layers)
     for phase in ("forward", "backward"):
         counts = [len(table.get((f"block {i}", phase), [])) for i in blocks]
         ops = {r["op"] for i in blocks for r in table.get((f"block {i}", phase), [])}
@@ -278,7 +285,8 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
     head_fwd = table.get(("lm head", "forward"), [])
     head_bwd = table.get(("lm head", "backward"), [])
     head_ok = not head_fwd and len(head_bwd) <= 1 and all(r["op"] == "all_reduce" for r in head_bwd)
-    head_text = (f"lm head (vocab-parallel, tied to wte): {len(head_fwd)} forward + {len(head_bwd)} backward "
+    head_text = (f"lm head (vocab-parallel, tied to {arch.embedding_prefix}): {len(head_fwd)} forward + "
+                 f"{len(head_bwd)} backward "
                  "(not in the issue's list; the Megatron minimum is 0 + 1: the gradient of the head's "
                  "replicated input is a sum over the vocabulary shards)")
     checks.append((head_text, head_ok))
@@ -302,20 +310,20 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
                    c10d == python_counts))
     checks.append(("every rank made the same calls", same))
 
-    claimed_fwd = 2 * config.n_layer + 1 + 3 + 1
-    claimed_bwd = 2 * config.n_layer
+    claimed_fwd = 2 * layers + 1 + 3 + 1
+    claimed_bwd = 2 * layers
     total_bytes = sum(r["bytes"] for r in records)
     print(f"   totals: forward {python_counts['forward']} calls, backward {python_counts['backward']} calls, "
           f"{total_bytes:,d} bytes contributed by this rank "
           f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
-    print(f"   ratio forward calls / issue's bound (2 x {config.n_layer} blocks + 1 embedding + 3 loss, + 1 "
+    print(f"   ratio forward calls / issue's bound (2 x {layers} blocks + 1 embedding + 3 loss, + 1 "
           f"input check = {claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
     print(f"   ratio backward calls / issue's bound (2 x {config.n_layer} blocks = {claimed_bwd}): "
           f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
           f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
 
     gathered = runs[True]["records"]
-    extra = [r for r in gathered if _region(r["module"], r["caller"]) == "logits gather"]
+    extra = [r for r in gathered if _region(r["module"], r["caller"], arch) == "logits gather"]
     extra_ok = (len(gathered) == len(records) + 1 and len(extra) == 1 and extra[0]["op"] == "all_gather"
                 and extra[0]["phase"] == "forward")
     full_logits = batch * seq * config.vocab_size * 4
@@ -327,11 +335,17 @@ def _report(tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) ->
                    extra_ok))
     for text, ok in checks:
         print(f"   [{bench.verdict(ok)}] {text}")
-    return all(ok for _, ok in checks)
+    per_block = {p: [len(table.get((f"block {i}", p), [])) for i in blocks] for p in ("forward", "backward")}
+    summary = {"per_block": per_block, "forward": python_counts["forward"], "backward": python_counts["backward"],
+               "regions": {f"{region} {phase}": len(recs) for (region, phase), recs in table.items()
+                           if not region.startswith("block ")},
+               "gather_extra": len(gathered) - len(records)}
+    return all(ok for _, ok in checks), summary
 
 
-def describe_run(config, batch: int, seq: int) -> str:
-    return f"GPT2LMHeadModel {bench.describe(config)}, batch {batch} x seq {seq}, training mode"
+def describe_run(arch: bench.Arch, config, batch: int, seq: int) -> str:
+    labels = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
+    return f"{arch.lm_class} {bench.describe(config)}, batch {batch} x seq {seq}, {labels}, training mode"
 
 
 def _order(key: tuple[str, str]) -> tuple:
@@ -343,19 +357,33 @@ def _order(key: tuple[str, str]) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=[*bench.ARCHS, "all"], default="all")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--size", choices=["small", "medium"], default="small")
+    parser.add_argument("--size", choices=["small", "medium", "large"], default="small")
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args(argv)
-    config = bench.gpt2_config(args.size, n_layer=args.n_layer, dropout=0.1)
-    bench.header("comm_count: collectives per forward + backward of GPT2LMHeadModel "
-                 "(a training call with labels)")
+    names = bench.arch_names(args.arch)
+    bench.header("comm_count: collectives per forward + backward of "
+                 + ", ".join(bench.ARCHS[n].lm_class for n in names) + " (a training call with labels)")
     ok = True
-    for tp in args.tp:
-        runs = bench.launch(rank_main, tp, config, args.batch, args.seq)
-        ok &= _report(tp, runs, config, args.batch, args.seq)
+    summaries = []
+    for name in names:
+        arch = bench.ARCHS[name]
+        config = arch.config(args.size, n_layer=args.n_layer, dropout=0.1)
+        for tp in args.tp:
+            runs = bench.launch(rank_main, tp, name, config, args.batch, args.seq)
+            arch_ok, summary = _report(arch, tp, runs, config, args.batch, args.seq)
+            ok &= arch_ok
+            summaries.append((name, tp, arch_ok, summary))
+    print("\nsummary (calls of one training step; per block: forward / backward of each block):")
+    for name, tp, arch_ok, summary in summaries:
+        blocks = sorted(set(zip(summary["per_block"]["forward"], summary["per_block"]["backward"], strict=True)))
+        others = ", ".join(f"{k} {v}" for k, v in sorted(summary["regions"].items()))
+        print(f"   {name:<8} tp={tp}: per block {' / '.join(f'{f}+{b}' for f, b in blocks)}; "
+              f"total {summary['forward']} forward + {summary['backward']} backward; {others}; "
+              f"gather_logits=True adds {summary['gather_extra']}  [{bench.verdict(arch_ok)}]")
     print(f"\ncomm_count overall: {bench.verdict(ok)}")
     return 0 if ok else 1
 
