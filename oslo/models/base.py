@@ -22,6 +22,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from oslo import checkpoint as ckpt
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models.body import StagedBody
+from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
 from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs, embedding_index_error
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
@@ -334,7 +335,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         head_inputs: dict,
         head: Callable,
         output_class: type,
-        past_key_values=None,
+        cache=None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         body_kwargs: dict | None = None,
@@ -356,7 +357,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         gradients after the step equal those of the global batch on one process.
 
         Args:
-            body: The body module; called whole as ``body(**inputs, past_key_values=..., use_cache=...,
+            body: The body module; called whole as ``body(**inputs, cache=..., use_cache=...,
                 return_dict=True, **body_kwargs)``, or step by step under pipelines.
             inputs: The body's batch inputs (``input_ids``, ``attention_mask``, ...; ``None`` allowed).
             head_inputs: Batch tensors only the head uses (``labels``, ``mc_token_ids``, ...).
@@ -394,8 +395,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                     and num_items_in_batch is None and context.data_parallel_size > 1:
                 divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
             on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
-            outputs = body(**inputs, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
-                           **body_kwargs)
+            outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
             values = head(outputs, inputs, head_inputs, True)
             self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
             output = output_class(**with_body_fields(values, outputs))
@@ -409,7 +409,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
             body_inputs = {name: batch.get(name) for name in inputs}
             with self._model_call():  # a part of this call (the schedule runs it later): no input check
-                state = body.prepare(**body_inputs, past_key_values=cache, use_cache=cache is not None,
+                state = body.prepare(**body_inputs, cache=cache, use_cache=cache is not None,
                                      return_dict=True, **body_kwargs)
                 payload = body.run_layers(body.embed(state) if first else received, state)
                 outputs = body.finish(payload, state) if last else None
@@ -427,9 +427,9 @@ class OsloPreTrainedModel(PreTrainedModel):
             asked = [name for name in per_layer_fields
                      if (body_kwargs.get(f"output_{name}") if body_kwargs.get(f"output_{name}") is not None
                          else getattr(self.config, f"output_{name}", False))]
-            if past_key_values is not None or asked:
+            if cache is not None or asked:
                 raise NotImplementedError(
-                    "past_key_values, output_hidden_states and output_attentions are not supported in a pipeline "
+                    "a KV cache (cache=), output_hidden_states and output_attentions are not supported in a pipeline "
                     "training step (its micro-batch outputs hold the loss); run the model under torch.no_grad() "
                     "for them."
                 )
@@ -465,39 +465,38 @@ class OsloPreTrainedModel(PreTrainedModel):
             return PipelineStep(steps(), context)
 
         # One pass without gradients. Each stage caches its own layers' keys and values (bodies that cache).
-        cache = past_key_values
-        use_cache = "past_key_values" in fields and body.builds_cache() and (
+        use_cache = CACHE_FIELD in fields and body.builds_cache() and (
             use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and cache is None:
             cache = self._new_cache()
-        names = [name for name in fields if name not in per_layer_fields and name != "past_key_values"]
+        names = [name for name in fields if name not in per_layer_fields and name != CACHE_FIELD]
         values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names,
                                payload=body.stage_payload)
         link = StageLink(context)
         gathered = [name for name in per_layer_fields if name in stage_outputs]
         values.update({name: link.gather_stages(stage_outputs[name]) for name in gathered})
-        if "past_key_values" in fields:
-            values["past_key_values"] = cache if use_cache else None
+        if CACHE_FIELD in fields:
+            values[CACHE_FIELD] = cache if use_cache else None
         return wrap(output_class(**values))
 
     def _pipelined_body_call(self, *args, **kwargs):
         """A body called by the user under pipeline parallelism: one pass without gradients over every
         stage (the body's own ``forward`` is single-device code); every stage returns the output."""
-        bound = inspect.signature(self.forward).bind(*args, **kwargs)
+        bound = inspect.signature(self.forward).bind(*args, **rename_legacy_cache(dict(kwargs)))
         arguments = dict(bound.arguments)
         arguments.update(arguments.pop("kwargs", {}))
-        options = {"past_key_values", "use_cache", "return_dict"}
+        options = {"cache", "use_cache", "return_dict"}
         inputs = {name: value for name, value in arguments.items()
                   if name not in options and (value is None or isinstance(value, torch.Tensor))}
         body_kwargs = {name: value for name, value in arguments.items() if name not in options and name not in inputs}
-        per_layer = set(self.per_layer_outputs) | {"past_key_values"}
+        per_layer = set(self.per_layer_outputs) | {CACHE_FIELD}
 
         def head(outputs, inputs, head_inputs, outputs_needed):
             return {name: value for name, value in outputs.items() if name not in per_layer}
 
         return self._forward_with_head(
             self, inputs, {}, head, self.output_class,
-            past_key_values=arguments.get("past_key_values"), use_cache=arguments.get("use_cache"),
+            cache=arguments.get("cache"), use_cache=arguments.get("use_cache"),
             return_dict=arguments.get("return_dict"), body_kwargs=body_kwargs,
         )
 

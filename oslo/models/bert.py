@@ -39,7 +39,7 @@ from transformers import BertConfig
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
@@ -52,6 +52,7 @@ from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eag
 from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
 from oslo.models.base import OsloPreTrainedModel
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
     CausalLMHead,
     MaskedLMHead,
@@ -176,7 +177,7 @@ class BertSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,8 +186,8 @@ class BertSelfAttention(nn.Module):
         query = self._heads(self.query, shared)
         key = self._heads(self.key, shared)
         value = self._heads(self.value, shared)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
+        if cache is not None:
+            key, value = cache.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
 
         dropout = self.dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
@@ -244,12 +245,12 @@ class BertAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_output, attn_weights = self.self(
-            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
+            hidden_states, attention_mask=attention_mask, cache=cache,
             output_attentions=output_attentions, **kwargs,
         )
         return self.output(attn_output, hidden_states), attn_weights
@@ -313,12 +314,12 @@ class BertLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attention_output, attn_weights = self.attention(
-            hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
+            hidden_states, attention_mask=attention_mask, cache=cache,
             output_attentions=output_attentions, **kwargs,
         )
         return self.output(self.intermediate(attention_output), attention_output), attn_weights
@@ -409,7 +410,7 @@ class BertPreTrainedModel(OsloPreTrainedModel):
     config: BertConfig
     base_model_prefix = "bert"
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_attention_backend = True
     _supports_pipeline_parallel = True
@@ -505,6 +506,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
     def set_input_embeddings(self, value: VocabParallelEmbedding) -> None:
         self.embeddings.word_embeddings = value
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -514,7 +516,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -526,7 +528,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         return self.run(self.prepare(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values, use_cache=use_cache,
+            encoder_attention_mask=encoder_attention_mask, cache=cache, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             return_dict=return_dict, **kwargs,
         ))
@@ -540,7 +542,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         inputs_embeds=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         output_attentions=None,
         output_hidden_states=None,
@@ -572,19 +574,19 @@ class BertModel(StagedBody, BertPreTrainedModel):
         if position_ids is not None and position_ids.dim() > 2:
             position_ids = position_ids.reshape(-1, length)
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)  # each rank caches its own heads
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)  # each rank caches its own heads
+        past_length = cache.get_seq_length() if cache is not None else 0
         embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
         if config.is_decoder:
             mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                      past_key_values=past_key_values)
+                                      cache=cache)
         else:
             mask = create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask)
         return BodyState(
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
             position_ids=position_ids, past_length=past_length, attention_mask=mask,
-            past_key_values=past_key_values, use_cache=use_cache, output_attentions=output_attentions,
+            cache=cache, use_cache=use_cache, output_attentions=output_attentions,
             return_dict=return_dict if return_dict is not None else config.return_dict, kwargs=kwargs,
             hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
             cross_attentions=() if output_attentions else None,
@@ -605,7 +607,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
             hidden_states, attn_weights = layer(
                 hidden_states,
                 attention_mask=state.attention_mask,
-                past_key_values=state.past_key_values,
+                cache=state.cache,
                 output_attentions=state.output_attentions,
                 **state.kwargs,
             )
@@ -622,7 +624,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output,
             pooler_output=self.pooler(sequence_output) if self.pooler is not None else None,
-            past_key_values=state.past_key_values if state.use_cache else None,
+            **{CACHE_FIELD: state.cache if state.use_cache else None},
             hidden_states=state.hidden_states,
             attentions=state.attentions,
             cross_attentions=state.cross_attentions,
@@ -722,6 +724,7 @@ class BertLMHeadModel(_BertPredictions, CausalLMHead, BertPreTrainedModel, Gener
         self.cls = BertOnlyMLMHead(config, context) if context.is_pipeline_last_stage() else None
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -732,7 +735,7 @@ class BertLMHeadModel(_BertPredictions, CausalLMHead, BertPreTrainedModel, Gener
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
@@ -743,7 +746,7 @@ class BertLMHeadModel(_BertPredictions, CausalLMHead, BertPreTrainedModel, Gener
         if labels is not None:
             use_cache = False  # as transformers' BERT
         return super().forward(
-            input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
             use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
         )

@@ -20,7 +20,6 @@ from transformers import GPT2Config
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -35,6 +34,7 @@ from transformers.models.gpt2.modeling_gpt2 import (
 from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
 from oslo.models.base import OsloPreTrainedModel
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -97,7 +97,7 @@ class GPT2Attention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         **kwargs,
@@ -109,8 +109,8 @@ class GPT2Attention(nn.Module):
         key = key.view(batch, length, -1, self.head_dim).transpose(1, 2)
         value = value.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
+        if cache is not None:
+            key, value = cache.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
 
         dropout = self.attn_dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
@@ -192,7 +192,7 @@ class GPT2Block(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         **kwargs,
@@ -200,7 +200,7 @@ class GPT2Block(GradientCheckpointingLayer):
         hidden_states, attn_weights = self.attn(
             self.ln_1(hidden_states),
             residual=hidden_states,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             output_attentions=output_attentions,
             **kwargs,
@@ -214,7 +214,7 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
     config: GPT2Config
     base_model_prefix = "transformer"
     _no_split_modules = ["GPT2Block"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"crossattention\.bias"]
@@ -278,10 +278,11 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
     def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
         self.wte = new_embeddings
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -295,7 +296,7 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
         """As transformers' ``GPT2Model.forward`` (under pipeline parallelism: one pass without
         gradients over every stage, whose output every stage returns)."""
         return self.run(self.prepare(
-            input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
             use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             return_dict=return_dict, **kwargs,
@@ -304,7 +305,7 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
     def prepare(
         self,
         input_ids=None,
-        past_key_values=None,
+        cache=None,
         attention_mask=None,
         token_type_ids=None,
         position_ids=None,
@@ -333,11 +334,11 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             inputs_embeds = inputs_embeds.view(-1, input_shape[-1], inputs_embeds.shape[-1])
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, input_shape[-1])
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)  # each rank caches its own heads
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)  # each rank caches its own heads
         embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(embeds.shape[0], -1)
@@ -345,13 +346,13 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             config=config,
             inputs_embeds=embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
         )
         return BodyState(
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
             input_shape=input_shape, position_ids=position_ids, causal_mask=causal_mask,
-            past_key_values=past_key_values, use_cache=use_cache, output_attentions=output_attentions,
+            cache=cache, use_cache=use_cache, output_attentions=output_attentions,
             return_dict=return_dict if return_dict is not None else config.return_dict, kwargs=kwargs,
             hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
         )
@@ -370,7 +371,7 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
                 state.hidden_states += (hidden_states,)
             hidden_states, attn_weights = block(
                 hidden_states,
-                past_key_values=state.past_key_values,
+                cache=state.cache,
                 attention_mask=state.causal_mask,
                 output_attentions=state.output_attentions,
                 position_ids=state.position_ids,
@@ -387,7 +388,7 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             state.hidden_states += (hidden_states,)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=state.past_key_values if state.use_cache else None,
+            **{CACHE_FIELD: state.cache if state.use_cache else None},
             hidden_states=state.hidden_states,
             attentions=state.attentions,
         )
@@ -418,10 +419,11 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
         self.multiple_choice_head = GPT2SequenceSummary(config) if last else None  # small: replicated
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -477,7 +479,7 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
             head,
             output_class_for(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             return_dict=return_dict,
             body_kwargs=kwargs,

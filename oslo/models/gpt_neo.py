@@ -29,13 +29,13 @@ from transformers import GPTNeoConfig
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
 from oslo.models.base import OsloPreTrainedModel
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -104,7 +104,7 @@ class GPTNeoSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -115,8 +115,8 @@ class GPTNeoSelfAttention(nn.Module):
         query = self._heads(self.q_proj(shared, input_is_copied=True))
         key = self._heads(self.k_proj(shared, input_is_copied=True))
         value = self._heads(self.v_proj(shared, input_is_copied=True))
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
+        if cache is not None:
+            key, value = cache.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
 
         # Unscaled scores, in float32 whatever the model's dtype (as transformers computes them).
         scores = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)  # (B, nh_local, T, T_all)
@@ -175,8 +175,8 @@ class GPTNeoAttention(nn.Module):
     def fused(self) -> bool:
         return self.attention.fused
 
-    def forward(self, hidden_states, residual, past_key_values=None, attention_mask=None, output_attentions=False):
-        return self.attention(hidden_states, residual, past_key_values, attention_mask, output_attentions)
+    def forward(self, hidden_states, residual, cache=None, attention_mask=None, output_attentions=False):
+        return self.attention(hidden_states, residual, cache, attention_mask, output_attentions)
 
 
 class GPTNeoMLP(nn.Module):
@@ -228,7 +228,7 @@ class GPTNeoBlock(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         **kwargs,
@@ -236,7 +236,7 @@ class GPTNeoBlock(GradientCheckpointingLayer):
         hidden_states, attn_weights = self.attn(
             self.ln_1(hidden_states),
             residual=hidden_states,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             output_attentions=output_attentions,
         )
@@ -249,7 +249,7 @@ class GPTNeoPreTrainedModel(OsloPreTrainedModel):
     config: GPTNeoConfig
     base_model_prefix = "transformer"
     _no_split_modules = ["GPTNeoBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     # Older GPT-Neo checkpoints hold transformers' (recomputed) attention masks.
     _keys_to_ignore_on_load_unexpected = [r"attn\.attention\.bias", r"attn\.attention\.masked_bias"]
     _supports_pipeline_parallel = True
@@ -305,10 +305,11 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
     def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
         self.wte = new_embeddings
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -322,7 +323,7 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
         """As transformers' ``GPTNeoModel.forward`` (under pipeline parallelism: one pass without
         gradients over every stage, whose output every stage returns)."""
         return self.run(self.prepare(
-            input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
             use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             return_dict=return_dict, **kwargs,
@@ -331,7 +332,7 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
     def prepare(
         self,
         input_ids=None,
-        past_key_values=None,
+        cache=None,
         attention_mask=None,
         token_type_ids=None,
         position_ids=None,
@@ -352,26 +353,26 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
         )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)  # each rank caches its own heads
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)  # each rank caches its own heads
         embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
         length = embeds.shape[1]
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, length)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(length, device=embeds.device) + past_seen)[None]
         # The padding + causal mask (additive: GPT-Neo attends eagerly); each local layer adds its window.
         causal_mask = create_causal_mask(
             config=config,
             inputs_embeds=embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
         )
         return BodyState(
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
-            position_ids=position_ids, causal_mask=causal_mask, past_key_values=past_key_values,
+            position_ids=position_ids, causal_mask=causal_mask, cache=cache,
             output_attentions=output_attentions,
             return_dict=return_dict if return_dict is not None else config.return_dict,
             hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
@@ -391,7 +392,7 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
                 state.hidden_states += (hidden_states,)
             hidden_states, attn_weights = block(
                 hidden_states,
-                past_key_values=state.past_key_values,
+                cache=state.cache,
                 attention_mask=state.causal_mask,
                 output_attentions=state.output_attentions,
             )
@@ -405,7 +406,7 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
             state.hidden_states += (hidden_states,)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=state.past_key_values,
+            **{CACHE_FIELD: state.cache},
             hidden_states=state.hidden_states,
             attentions=state.attentions,
         )

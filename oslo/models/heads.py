@@ -35,6 +35,7 @@ from transformers.modeling_outputs import (
 )
 
 from oslo.models.base import logits_not_gathered
+from oslo.models.compat import accepts_legacy_cache_name
 from oslo.parallel.layers import VocabParallelLMHead
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
 
@@ -128,10 +129,11 @@ class CausalLMHead:
         """The vocabulary-split projection (its ``causal_lm_loss`` and ``gather``)."""
         return self.lm_head
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -170,7 +172,7 @@ class CausalLMHead:
             {"labels": labels},
             head,
             output_class_for(self, self._lm_output_class, gather, gather_logits),
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             return_dict=return_dict,
             body_kwargs=kwargs,
@@ -188,10 +190,11 @@ class TokenClassificationHead(ClassifierDropout):
         last = self.parallel_context.is_pipeline_last_stage()
         self.classifier = nn.Linear(config.hidden_size, config.num_labels) if last else None
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -219,7 +222,7 @@ class TokenClassificationHead(ClassifierDropout):
             {"labels": labels},
             head,
             TokenClassifierOutput,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             return_dict=return_dict,
             body_kwargs=kwargs,
@@ -264,10 +267,11 @@ class SequenceClassificationHead:
                       if last else None)
         setattr(self, self._sequence_classifier, classifier)
 
+    @accepts_legacy_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -322,7 +326,7 @@ class SequenceClassificationHead:
             {"labels": labels},
             head,
             self._sequence_classification_output_class,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             return_dict=return_dict,
             body_kwargs=kwargs,

@@ -238,8 +238,8 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     if ids is None:
         return None
     length = ids.shape[-2] if ids.is_floating_point() else ids.shape[-1]  # embeddings: (..., T, C)
-    past_key_values = named.get("past_key_values")
-    past = past_key_values.get_seq_length() if hasattr(past_key_values, "get_seq_length") else 0
+    cache = named.get("cache", named.get("past_key_values"))  # its name before transformers 5.24
+    past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
     mask = named.get("attention_mask")
     if not nested and isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.numel():
         needed = int(mask.sum(-1).max())  # the mask covers the cached positions too

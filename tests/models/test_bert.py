@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
 import oslo
+from oslo.models.compat import CACHE_FIELD
 from oslo.parallel.layers import VocabParallelLMHead
 from tests.distributed import run_distributed
 from tests.helpers import full_grads, save_reference, tiny_gpt2_config
@@ -178,7 +179,7 @@ def _tensor_parallel_checks(rank, world_size, paths):
     # An encoder keeps no cache, even when asked for one; only a decoder does.
     model = oslo.BertModel.from_pretrained_with_parallel(paths["mlm"], tensor_parallel_size=tp)
     with torch.no_grad(), _CountCaches() as caches:
-        assert model(**tokens(), use_cache=True).past_key_values is None
+        assert model(**tokens(), use_cache=True).get(CACHE_FIELD) is None
     assert (caches.built, caches.updates) == (0, 0)
 
     # Untied decoder weight and bias (tie_word_embeddings=False): parity, merged checkpoint for transformers.
@@ -230,12 +231,12 @@ def _pipeline_checks(rank, world_size, paths):
         model = getattr(oslo, name).from_pretrained_with_parallel(paths["mlm"], pipeline_parallel_size=2)
         with torch.no_grad(), _CountCaches() as caches:
             output = model(**tokens(), use_cache=True) if name == "BertModel" else model(**tokens())
-        assert getattr(output, "past_key_values", None) is None
+        assert output.get(CACHE_FIELD) is None
         assert (caches.built, caches.updates) == (0, 0), (name, caches.built, caches.updates)
     model = oslo.BertLMHeadModel.from_pretrained_with_parallel(paths["lm"], pipeline_parallel_size=2)
     with torch.no_grad(), _CountCaches() as caches:
         output = model(**tokens(left_padding=True))
-    assert output.past_key_values is not None and caches.built == 1 and caches.updates == 2  # this stage's layers
+    assert output.get(CACHE_FIELD) is not None and caches.built == 1 and caches.updates == 2  # this stage's layers
 
     _check_untied_parity(paths["untied"], 1, 2)
     zoo.check_checkpoints(_untied_case(), paths["untied"], 1, 2, os.path.join(paths["scratch"], "pp2"))

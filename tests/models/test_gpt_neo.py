@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import oslo
 from oslo import GPTNeoAttention, GPTNeoMLP
+from oslo.models.compat import CACHE_FIELD
 from oslo.models.gpt_neo import causal_window
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_grads, save_reference, tiny_gpt2_config
@@ -62,10 +63,10 @@ def _lm_parity(rank, world_size, path):
         for step in range(9):
             length = input_ids.shape[1]
             new = slice(None) if step == 0 else slice(length - 1, length)
-            expected = reference(input_ids=input_ids[:, new], attention_mask=attention_mask, past_key_values=theirs)
-            actual = model(input_ids=input_ids[:, new], attention_mask=attention_mask, past_key_values=ours)
+            expected = reference(input_ids=input_ids[:, new], attention_mask=attention_mask, **{CACHE_FIELD: theirs})
+            actual = model(input_ids=input_ids[:, new], attention_mask=attention_mask, cache=ours)
             torch.testing.assert_close(actual.logits, expected.logits, msg=lambda m, s=step: f"step {s}: {m}")
-            theirs, ours = expected.past_key_values, actual.past_key_values
+            theirs, ours = expected[CACHE_FIELD], actual[CACHE_FIELD]
             input_ids = torch.cat([input_ids, expected.logits[:, -1:].argmax(-1)], dim=1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
     assert ours.get_seq_length() == 13 > WINDOW
