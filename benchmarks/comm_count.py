@@ -22,8 +22,8 @@ The step is ``model(input_ids, labels=labels)`` (a training call, which does not
 then ``loss.backward()``, in training mode (dropout on). A second step with
 ``gather_logits=True`` counts the logits all-gather that a user asks for when they want the full
 logits back. Before anything else every model call compares its inputs across the tensor-parallel
-group (``oslo.parallel.agreement.check_same_inputs``): one all-gather of two int64 per rank, counted
-as "input check".
+group (``oslo.parallel.agreement.check_same_inputs``): one all-gather of three int64 per rank (two
+digests and the verdict of the id range check), counted as "input check".
 
 Run: ``python benchmarks/comm_count.py`` (every architecture, tp 2 and 4, 2 layers of gpt2 /
 gpt-neo-125M / bert-base width); options: ``--arch gpt2|gpt_neo|bert|all --tp 2 4 --n-layer 2
@@ -297,10 +297,10 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
     checks.append((loss_text, len(loss) <= 3 and largest <= 3 * tokens))
     check = table.get(("input check", "forward"), []) + table.get(("input check", "backward"), [])
     check_ok = len(check) == 1 and check[0]["op"] == "all_gather" and check[0]["phase"] == "forward" \
-        and check[0]["bytes"] == 16
+        and check[0]["bytes"] == 24
     checks.append((f"input check: {len(check)} call(s), "
                    + ", ".join(f"{r['phase']} {r['op']} {r['bytes']} bytes/rank" for r in check)
-                   + " (target 1 forward all_gather of 2 int64)", check_ok))
+                   + " (target 1 forward all_gather of 3 int64: two digests and the range verdict)", check_ok))
     known = {"embedding", "loss", "lm head", "input check"} | {f"block {i}" for i in blocks}
     other = [r for (region, _), recs in table.items() if region not in known for r in recs]
     checks.append((f"anything else: {len(other)} calls (target 0)", not other))
@@ -318,7 +318,7 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
           f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
     print(f"   ratio forward calls / issue's bound (2 x {layers} blocks + 1 embedding + 3 loss, + 1 "
           f"input check = {claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
-    print(f"   ratio backward calls / issue's bound (2 x {config.n_layer} blocks = {claimed_bwd}): "
+    print(f"   ratio backward calls / issue's bound (2 x {layers} blocks = {claimed_bwd}): "
           f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
           f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
 
