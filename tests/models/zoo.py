@@ -280,3 +280,58 @@ def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int,
     finally:
         dist.all_reduce = original
     return tuple(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on a layout equals one process on the global batch (the manual's loops, unchanged)
+# ---------------------------------------------------------------------------------------------
+TRAINING_LR = 0.5
+
+
+def training_batch(case: Case) -> dict:
+    """8 rows: the case's batch, then its rows in reverse order with the first 4 positions of every label
+    row ignored (-100), so that micro-batches and replicas hold different numbers of label items."""
+    first = case.batch()
+    second = {name: value.flip(0) if isinstance(value, torch.Tensor) else value for name, value in first.items()}
+    labels = second.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        second["labels"] = labels.clone()
+        second["labels"][..., :4] = -100
+    return {name: torch.cat([value, second[name]]) if isinstance(value, torch.Tensor) else value
+            for name, value in first.items()}
+
+
+def reference_training_step(case: Case, path: str) -> dict[str, torch.Tensor]:
+    """One SGD step of transformers' model on the whole batch, in one process (every name, tied ones too)."""
+    model = getattr(transformers, case.name).from_pretrained(path).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=TRAINING_LR)
+    case.loss(model(**training_batch(case))).backward()
+    optimizer.step()
+    return {name: param.detach() for name, param in model.named_parameters(remove_duplicate=False)}
+
+
+def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp: int, pp: int, wrap: bool):
+    """The manual's loop: the replica's rows of the global batch, the model (or its DDP wrapper) called on
+    them, each (micro-batch) loss backpropagated as it is, one SGD step; returns the full weights."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    case = next(c for c in cases_of(arch) if c.name == name)
+    model = getattr(oslo, name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE).train()
+    mpu = model.mpu
+    model_ddp = model
+    if wrap:
+        model_ddp = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
+    optimizer = torch.optim.SGD(model.gpu_parameters(), lr=TRAINING_LR)
+    batch = training_batch(case)
+    rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0] // mpu.get_data_parallel_world_size()
+    start = mpu.get_data_parallel_rank() * rows
+    sample = {k: v[start : start + rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    optimizer.zero_grad()
+    if pp == 1:
+        case.loss(model_ddp(**sample)).backward()
+    else:
+        for micro_output in model_ddp(**sample):
+            micro_output.loss.backward()
+    optimizer.step()
+    return full_params(model)
