@@ -1,23 +1,34 @@
-"""Memory of a tensor-parallel GPT2: parameter bytes per rank, and peak RSS while loading.
+"""Memory of tensor-parallel models: parameter bytes per rank (GPT2, GPT-Neo, BERT), and peak RSS while loading.
 
-Claims (issue 2, "Benchmarks / Memory"), for a gpt2-medium-shaped config (n_embd 1024, n_layer 24,
-n_head 16, vocab 50257, n_positions 1024):
+Claims (issue 2, "Benchmarks / Memory"; (a) for every architecture, (b) for GPT2):
 
-(a) parameter bytes per rank / (total parameter bytes / tp) <= 1.01 at tp=2 and <= 1.03 at tp=4.
+(a) parameter bytes per rank / (total parameter bytes / tp) <= 1.01 at tp=2 and <= 1.03 at tp=4,
+    for each architecture (``--arch``) at its large published shape:
+
+    * GPT2 (``GPT2LMHeadModel``), gpt2-medium: n_embd 1024, n_layer 24, n_head 16, vocab 50257,
+      n_positions 1024;
+    * GPT-Neo (``GPTNeoForCausalLM``), gpt-neo-1.3B: hidden 2048, 24 layers (global / local
+      attention alternating), 16 heads, vocab 50257, 2048 positions;
+    * BERT (``BertForMaskedLM``), bert-large: hidden 1024, 24 layers, 16 heads, MLP 4096, vocab
+      30522, 512 positions, 2 token types.
+
     The ranks build the model with ``from_config_with_parallel`` (real gloo ranks, real allocation);
-    the total is transformers' own ``GPT2LMHeadModel`` built on the meta device (tied weights once).
-    What exceeds 1.0 is the replicated part (position embeddings, LayerNorms, row-parallel biases)
-    and the vocabulary padding.
+    the total is transformers' own model of the same class built on the meta device (tied weights
+    once). What exceeds 1.0 is the replicated part (position / token-type embeddings, LayerNorms,
+    row-parallel biases, BERT's pooler and MLM transform) and the vocabulary padding. The
+    architectures run one after another (gpt-neo-1.3B is 5.3 GB of float32: 2.6 GB per rank at tp=2).
 
-(b) peak RSS per rank while loading a merged gpt2-medium-shaped safetensors checkpoint at tp=4 is
-    at most 1.5 x that rank's shard bytes above the process's baseline RSS, measured just before
-    ``from_pretrained_with_parallel``. The checkpoint is written by plain transformers (random
-    weights) into a temporary directory. Peak RSS is the kernel's VmHWM after resetting it with
-    ``/proc/self/clear_refs`` just before the call (exact, no sampling gaps); a sampling thread also
-    records RssAnon (heap) and RssFile (mapped file pages) separately, since file pages of the
-    mmap'ed safetensors file count in RSS although the kernel can drop them at any time.
+(b) GPT2 only (``--arch`` does not apply): peak RSS per rank while loading a merged
+    gpt2-medium-shaped safetensors checkpoint at tp=4 is at most 1.5 x that rank's shard bytes above
+    the process's baseline RSS, measured just before ``from_pretrained_with_parallel``. The
+    checkpoint is written by plain transformers (random weights) into a temporary directory. Peak
+    RSS is the kernel's VmHWM after resetting it with ``/proc/self/clear_refs`` just before the call
+    (exact, no sampling gaps); a sampling thread also records RssAnon (heap) and RssFile (mapped file
+    pages) separately, since file pages of the mmap'ed safetensors file count in RSS although the
+    kernel can drop them at any time.
 
-Run: ``python benchmarks/memory.py``; options: ``--part a|b``, ``--tp-load 4``, ``--n-layer 24``,
+Run: ``python benchmarks/memory.py``; options: ``--part a|b``, ``--arch gpt2|gpt_neo|bert|all`` (part
+(a); default all), ``--tp-load 4``, ``--n-layer 24``,
 ``--trace`` (per-tensor RSS during the load, to see where memory goes), ``--meta`` (part (a) from
 meta-device construction in real ranks instead of allocating).
 """
@@ -42,6 +53,7 @@ from oslo import checkpoint as oslo_checkpoint
 
 TARGETS = {2: 1.01, 4: 1.03}
 RSS_TARGET = 1.5
+SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large"}  # gpt2-medium, gpt-neo-1.3B, bert-large
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,21 +63,21 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
 
 
-def _total_bytes(config) -> int:
+def _total_bytes(arch: bench.Arch, config) -> int:
     with torch.device("meta"):
-        reference = transformers.GPT2LMHeadModel(config)
+        reference = arch.hf_class()(config)
     return sum(p.numel() * 4 for p in reference.parameters())
 
 
-def params_rank(rank: int, world_size: int, config, meta: bool) -> dict:
+def params_rank(rank: int, world_size: int, arch_name: str, config, meta: bool) -> dict:
+    cls = bench.ARCHS[arch_name].oslo_class()
     if meta:
         context = oslo.ParallelContext(world_size)
         with torch.device("meta"):
-            model = oslo.GPT2LMHeadModel(config, parallel_context=context)
+            model = cls(config, parallel_context=context)
         nbytes = sum(p.numel() * 4 for p in model.parameters())
     else:
-        model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size,
-                                                               seed=0)
+        model = cls.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
         nbytes = _param_bytes(model)
     from oslo.parallel.plan import parameter_specs
 
@@ -74,17 +86,19 @@ def params_rank(rank: int, world_size: int, config, meta: bool) -> dict:
     return {"bytes": nbytes, "replicated": replicated}
 
 
-def part_a(config, meta: bool) -> bool:
-    total = _total_bytes(config)
-    print(f"\n(a) parameter bytes per rank, {bench.describe(config)}, float32")
-    print(f"    transformers GPT2LMHeadModel total: {total:,d} bytes ({bench.mib(total)})")
+def part_a(arch: bench.Arch, config, meta: bool) -> tuple[bool, dict[int, float]]:
+    total = _total_bytes(arch, config)
+    print(f"\n(a) {arch.name}: parameter bytes per rank, {arch.lm_class} {bench.describe(config)}, float32")
+    print(f"    transformers {arch.lm_class} total: {total:,d} bytes ({bench.mib(total)})")
     ok = True
+    ratios = {}
     for tp, target in TARGETS.items():
         start = time.perf_counter()
-        results = bench.launch(params_rank, tp, config, meta)
+        results = bench.launch(params_rank, tp, arch.name, config, meta)
         elapsed = time.perf_counter() - start
         worst = max(r["bytes"] for r in results)
         ratio = worst / (total / tp)
+        ratios[tp] = ratio
         ok &= ratio <= target
         per_rank = ", ".join(f"{r['bytes']:,d}" for r in results)
         how = "on meta" if meta else "with allocation"
@@ -92,7 +106,7 @@ def part_a(config, meta: bool) -> bool:
               f"every rank {results[0]['replicated']:,d} bytes; built {how} in {elapsed:.1f} s")
         print(f"    tp={tp}: ratio (largest rank) / (total / tp) = {ratio:.4f}  target <= {target}  "
               f"[{bench.verdict(ratio <= target)}]")
-    return ok
+    return ok, ratios
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,19 +267,34 @@ def _print_trace(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["a", "b", "both"], default="both")
+    parser.add_argument("--arch", choices=[*bench.ARCHS, "all"], default="all",
+                        help="part (a): architecture(s) to measure; part (b) is GPT2 only")
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--tp-load", type=int, default=4)
     parser.add_argument("--meta", action="store_true", help="part (a) from meta-device construction")
     parser.add_argument("--trace", action="store_true", help="part (b): RSS after each tensor read")
     parser.add_argument("--keep", default=None, help="part (b): checkpoint directory to reuse / keep")
     args = parser.parse_args(argv)
-    config = bench.gpt2_config("medium", n_layer=args.n_layer, dropout=0.1)
-    bench.header("memory: parameter bytes per rank; peak RSS while loading (gpt2-medium shape)")
+    names = bench.arch_names(args.arch) if args.part in ("a", "both") else []
+    measured = ", ".join(f"{n} ({SIZES[n]})" for n in names)
+    bench.header("memory: parameter bytes per rank" + (f" of {measured}" if names else "")
+                 + ("; peak RSS while loading (gpt2-medium shape)" if args.part in ("b", "both") else ""))
     ok = True
-    if args.part in ("a", "both"):
-        ok &= part_a(config, args.meta)
+    summary = []
+    for name in names:  # one architecture at a time: gpt-neo-1.3B alone is 5.3 GB
+        arch = bench.ARCHS[name]
+        arch_ok, ratios = part_a(arch, arch.config(SIZES[name], n_layer=args.n_layer, dropout=0.1), args.meta)
+        ok &= arch_ok
+        summary.append((name, ratios))
+    if summary:
+        print("\n(a) summary: largest rank / (total / tp)")
+        for name, ratios in summary:
+            text = "; ".join(f"tp={tp} {ratio:.4f} (<= {TARGETS[tp]}) [{bench.verdict(ratio <= TARGETS[tp])}]"
+                             for tp, ratio in ratios.items())
+            print(f"    {name:<8} {text}")
     if args.part in ("b", "both"):
-        ok &= part_b(config, args.tp_load, args.trace, args.keep)
+        ok &= part_b(bench.gpt2_config("medium", n_layer=args.n_layer, dropout=0.1), args.tp_load, args.trace,
+                     args.keep)
     print(f"\nmemory overall: {bench.verdict(ok)}")
     return 0 if ok else 1
 

@@ -1,31 +1,44 @@
-"""Overhead of oslo's GPT2 at tensor_parallel_size=1 against transformers' GPT2, same weights.
+"""Overhead of oslo's models at tensor_parallel_size=1 against transformers', same weights (GPT2, GPT-Neo, BERT).
 
-Claim (issue 2, "Benchmarks / Overhead"): oslo GPT2 at tp=1 vs transformers GPT2 (same weights,
-same process, interleaved runs, median of >= 5): forward+backward time ratio <= 1.05, and
-``generate()`` tokens/s ratio >= 0.95.
+Claim (issue 2, "Benchmarks / Overhead", for GPT2; the same claim for GPT-Neo and BERT): oslo at
+tp=1 vs transformers (same weights, same process, interleaved runs, median of >= 5): training-step
+(forward+backward) time ratio <= 1.05, and ``generate()`` tokens/s ratio >= 0.95, per architecture.
 
-Both models live in this one process with one torch thread. transformers' ``GPT2LMHeadModel`` is
-built with a fixed seed and saved; oslo loads that checkpoint with ``from_pretrained_with_parallel``
-(tp=1, a plain process). Before timing, the script checks that they agree (eval-mode loss and
-logits, greedy tokens). Timed:
+Architectures (``--arch``; default all, one after another), each at the width of its small published
+shape with ``--n-layer`` blocks: GPT2 (gpt2: ``GPT2LMHeadModel`` trains and generates), GPT-Neo
+(gpt-neo-125M, layers alternating global / local attention, window 256: ``GPTNeoForCausalLM`` trains
+and generates), BERT (bert-base: ``BertForMaskedLM`` trains with masked-LM labels, 15 % of the
+positions, -100 elsewhere; ``BertLMHeadModel`` with ``is_decoder=True`` generates). At the default
+lengths (at most 128 tokens) GPT-Neo's local layers build and apply their window mask, but the window
+(256) covers every key, as it does for any sequence up to 256 tokens.
 
-* training step: ``model(input_ids, labels=input_ids).loss.backward()`` in training mode (dropout
-  0.1 as in GPT2's config); gradients are cleared outside the timed region;
+Both implementations live in this one process with one torch thread. For each class timed,
+transformers' model is built with a fixed seed and saved; oslo loads that checkpoint with
+``from_pretrained_with_parallel`` (tp=1, a plain process). Before timing, the script checks that
+they agree (eval mode: loss and logits of the training class, greedy tokens of the generating
+class). Timed:
+
+* training step: ``model(input_ids, labels=labels).loss.backward()`` in training mode (dropout 0.1
+  as in the published configs), labels the inputs (causal LMs, shifted by the model) or masked-LM
+  labels (BERT); gradients are cleared outside the timed region;
 * generation: greedy ``generate`` of exactly ``--new-tokens`` tokens (``min_new_tokens`` equal to
-  ``max_new_tokens``), KV cache on, eval mode.
+  ``max_new_tokens``), KV cache on, eval mode; the prompt avoids the pad token (BERT's is 0, which
+  ``generate`` would otherwise mask out).
 
 Runs rotate through every order of three models: transformers, a second transformers copy of the
 same weights (an A/A control whose ratio shows the noise floor), and oslo, so drift in machine load
 hits all three. Verdicts use the median CPU time of the process (one torch thread), which other
-processes on the machine inflate far less than wall time; wall-time ratios are printed too.
+processes on the machine inflate far less than wall time; wall-time ratios are printed too. The
+summary prints one line per architecture.
 
-Run: ``python benchmarks/overhead.py``; options: ``--n-layer 4 --batch 2 --seq 128 --repeats 6
---prompt 32 --new-tokens 64 --gen-batch 1``.
+Run: ``python benchmarks/overhead.py``; options: ``--arch gpt2|gpt_neo|bert|all --n-layer 4 --batch 2
+--seq 128 --repeats 6 --prompt 32 --new-tokens 64 --gen-batch 1``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import shutil
@@ -35,40 +48,50 @@ import time
 
 import _tp_harness as bench
 import torch
-import transformers
 
-import oslo
+import oslo  # noqa: F401 - the architectures' oslo_class imports it
 
 TIME_TARGET = 1.05
 TOKENS_TARGET = 0.95
 
 
-def build(config, directory: str):
-    """transformers' model (seeded), a second transformers copy (the A/A control), and oslo's, all
-    with the same weights."""
+def build(arch: bench.Arch, config, directory: str, causal: bool = False):
+    """transformers' model of ``arch`` (its training class, or with ``causal`` its generating class;
+    seeded), a second transformers copy (the A/A control), and oslo's, all with the same weights."""
     torch.manual_seed(0)
-    reference = transformers.GPT2LMHeadModel(config)
+    reference = arch.hf_class(causal)(config)
     reference.save_pretrained(directory)
-    control = transformers.GPT2LMHeadModel.from_pretrained(directory)
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(directory, tensor_parallel_size=1)
+    control = arch.hf_class(causal).from_pretrained(directory)
+    model = arch.oslo_class(causal).from_pretrained_with_parallel(directory, tensor_parallel_size=1)
     return reference, control, model
 
 
 @torch.no_grad()
-def check_agreement(reference, model, input_ids, prompt, new_tokens: int) -> list[str]:
+def check_outputs(reference, model, input_ids, labels) -> list[str]:
+    """Eval-mode loss and logits of the training class."""
     reference.eval()
     model.eval()
-    ours = model(input_ids, labels=input_ids)
-    theirs = reference(input_ids, labels=input_ids)
+    ours = model(input_ids, labels=labels)
+    theirs = reference(input_ids, labels=labels)
     problems = []
-    if not torch.allclose(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4):
+    if ours.logits.shape != theirs.logits.shape:
+        problems.append(f"logits shapes differ ({tuple(ours.logits.shape)} vs {tuple(theirs.logits.shape)})")
+    elif not torch.allclose(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4):
         problems.append(f"logits differ (max {float((ours.logits - theirs.logits).abs().max()):.2e})")
     if abs(float(ours.loss) - float(theirs.loss)) > 1e-4:
         problems.append(f"loss differs ({float(ours.loss):.6f} vs {float(theirs.loss):.6f})")
+    return problems
+
+
+@torch.no_grad()
+def check_tokens(reference, model, prompt, new_tokens: int) -> list[str]:
+    """Greedy tokens of the generating class."""
+    reference.eval()
+    model.eval()
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     if not torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs)):
-        problems.append("greedy generate() tokens differ")
-    return problems
+        return ["greedy generate() tokens differ"]
+    return []
 
 
 def clocked(fn) -> tuple[float, float]:
@@ -78,9 +101,9 @@ def clocked(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def train_step(model, input_ids) -> tuple[float, float]:
+def train_step(model, input_ids, labels) -> tuple[float, float]:
     model.zero_grad(set_to_none=True)
-    return clocked(lambda: model(input_ids, labels=input_ids).loss.backward())
+    return clocked(lambda: model(input_ids, labels=labels).loss.backward())
 
 
 def generate_time(model, prompt, new_tokens: int) -> tuple[float, float]:
@@ -114,8 +137,91 @@ def _print_times(label: str, values: list[tuple[float, float]], unit_fn=None) ->
     print(f"     {'':<22} median wall {wall:.3f} s, cpu {cpu:.3f} s{extra}")
 
 
+def _compare(runs: dict, rate: bool) -> dict:
+    """Ratios oslo / transformers and transformers copy / transformers of the median times (``rate``:
+    of the rates, i.e. the inverse), CPU and wall."""
+    base_wall, base_cpu = _medians(runs["transformers"])
+    out = {}
+    for key, name in (("oslo", "oslo tp=1"), ("control", "transformers copy")):
+        wall, cpu = _medians(runs[name])
+        out[key] = (base_cpu / cpu, base_wall / wall) if rate else (cpu / base_cpu, wall / base_wall)
+    return out
+
+
+def measure(arch: bench.Arch, args) -> dict:
+    """Agreement, then the interleaved training-step and generate() timings of one architecture."""
+    config = arch.config("small", n_layer=args.n_layer, dropout=0.1)
+    causal_config = arch.causal_config(config)
+    separate = arch.causal_class != arch.lm_class or causal_config is not config
+    print(f"\n-- {arch.name}: oslo {arch.lm_class}"
+          + (f" and {arch.causal_class}" if separate else "")
+          + f" (tp=1) vs transformers', same weights; {bench.describe(config)}; torch threads "
+          f"{torch.get_num_threads()}; attention {config._attn_implementation or 'sdpa'}; float32")
+    directory = tempfile.mkdtemp(prefix="oslo-bench-overhead-")
+    try:
+        reference, control, model = build(arch, config, os.path.join(directory, "lm"))
+        if separate:
+            gen_models = build(arch, causal_config, os.path.join(directory, "causal"), causal=True)
+        else:
+            gen_models = (reference, control, model)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
+    labels = arch.labels(input_ids, generator)
+    prompt = torch.randint(0, config.vocab_size, (args.gen_batch, args.prompt), generator=generator)
+    pad = config.pad_token_id
+    if pad is not None:  # generate() would mask the pad token out of the prompt (BERT's is 0)
+        prompt[prompt == pad] = (pad + 1) % config.vocab_size
+
+    problems = check_outputs(reference, model, input_ids, labels)
+    problems += check_tokens(gen_models[0], gen_models[2], prompt, args.new_tokens)
+    checked = f"eval loss and logits of {arch.lm_class}, greedy tokens of {arch.causal_class}"
+    print(f"   agreement before timing ({checked}): {'same' if not problems else '; '.join(problems)}")
+
+    for m in (reference, control, model):
+        m.train()
+    runs = interleaved({"transformers": lambda: train_step(reference, input_ids, labels),
+                        "transformers copy": lambda: train_step(control, input_ids, labels),
+                        "oslo tp=1": lambda: train_step(model, input_ids, labels)}, args.repeats)
+    what = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
+    print(f"\n   {arch.lm_class} forward+backward, batch {args.batch} x seq {args.seq}, {what}, "
+          f"training mode, {args.repeats} runs each:")
+    for name, values in runs.items():
+        _print_times(name, values)
+    train = _compare(runs, rate=False)
+    time_ok = train["oslo"][0] <= TIME_TARGET
+    print(f"     control: transformers copy / transformers = {train['control'][0]:.3f} cpu, "
+          f"{train['control'][1]:.3f} wall")
+    print(f"     ratio oslo / transformers (median time) = {train['oslo'][0]:.3f} cpu, "
+          f"{train['oslo'][1]:.3f} wall  target <= {TIME_TARGET}  [{bench.verdict(time_ok)}]")
+    for m in (reference, control, model):
+        m.zero_grad(set_to_none=True)
+
+    gen_reference, gen_control, gen_model = gen_models
+    for m in gen_models:
+        m.eval()
+    tokens = args.gen_batch * args.new_tokens
+    runs = interleaved({"transformers": lambda: generate_time(gen_reference, prompt, args.new_tokens),
+                        "transformers copy": lambda: generate_time(gen_control, prompt, args.new_tokens),
+                        "oslo tp=1": lambda: generate_time(gen_model, prompt, args.new_tokens)}, args.repeats)
+    decoder = " (is_decoder=True)" if causal_config is not config else ""
+    print(f"\n   {arch.causal_class}{decoder} generate(): greedy, batch {args.gen_batch}, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, KV cache, {args.repeats} runs each:")
+    for name, values in runs.items():
+        _print_times(name, values, unit_fn=lambda seconds: tokens / seconds)
+    rate = _compare(runs, rate=True)
+    rate_ok = rate["oslo"][0] >= TOKENS_TARGET
+    print(f"     control: transformers copy / transformers tokens/s = {rate['control'][0]:.3f} cpu, "
+          f"{rate['control'][1]:.3f} wall")
+    print(f"     ratio oslo / transformers (tokens/s) = {rate['oslo'][0]:.3f} cpu, "
+          f"{rate['oslo'][1]:.3f} wall  target >= {TOKENS_TARGET}  [{bench.verdict(rate_ok)}]")
+    return {"train": train, "rate": rate, "time_ok": time_ok, "rate_ok": rate_ok, "problems": problems}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=[*bench.ARCHS, "all"], default="all")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
@@ -128,63 +234,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 5 (the claim is a median of >= 5 runs)")
 
     torch.set_num_threads(1)
-    config = bench.gpt2_config("small", n_layer=args.n_layer, dropout=0.1)
-    bench.header("overhead: oslo GPT2LMHeadModel (tp=1) vs transformers GPT2LMHeadModel, same weights")
-    print(f"   {bench.describe(config)}; torch threads {torch.get_num_threads()}; attention "
-          f"{config._attn_implementation or 'sdpa'}; float32")
-    directory = tempfile.mkdtemp(prefix="oslo-bench-overhead-")
-    try:
-        reference, control, model = build(config, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
-    prompt = torch.randint(0, config.vocab_size, (args.gen_batch, args.prompt), generator=generator)
-
-    problems = check_agreement(reference, model, input_ids, prompt, args.new_tokens)
-    print(f"   agreement before timing (eval loss, logits, greedy tokens): "
-          f"{'same' if not problems else '; '.join(problems)}")
+    names = bench.arch_names(args.arch)
+    classes = [dict.fromkeys((bench.ARCHS[n].lm_class, bench.ARCHS[n].causal_class)) for n in names]
+    bench.header("overhead: oslo (tp=1) vs transformers, same weights: " + ", ".join(" / ".join(c) for c in classes))
     print("   verdicts use the median CPU time of this (single-threaded) process, which other processes "
           "sharing the CPUs inflate far less than wall time; wall time is shown too. 'transformers copy' "
           "is a second transformers model with the same weights: its ratio is the noise floor.")
+    results = {}
+    for name in names:  # one architecture at a time
+        results[name] = measure(bench.ARCHS[name], args)
+        gc.collect()
 
-    for m in (reference, control, model):
-        m.train()
-    runs = interleaved({"transformers": lambda: train_step(reference, input_ids),
-                        "transformers copy": lambda: train_step(control, input_ids),
-                        "oslo tp=1": lambda: train_step(model, input_ids)}, args.repeats)
-    print(f"\n   forward+backward, batch {args.batch} x seq {args.seq}, training mode, "
-          f"{args.repeats} runs each:")
-    for name, values in runs.items():
-        _print_times(name, values)
-    base_wall, base_cpu = _medians(runs["transformers"])
-    oslo_wall, oslo_cpu = _medians(runs["oslo tp=1"])
-    ctrl_wall, ctrl_cpu = _medians(runs["transformers copy"])
-    time_ok = oslo_cpu / base_cpu <= TIME_TARGET
-    print(f"     control: transformers copy / transformers = {ctrl_cpu / base_cpu:.3f} cpu, "
-          f"{ctrl_wall / base_wall:.3f} wall")
-    print(f"     ratio oslo / transformers (median time) = {oslo_cpu / base_cpu:.3f} cpu, "
-          f"{oslo_wall / base_wall:.3f} wall  target <= {TIME_TARGET}  [{bench.verdict(time_ok)}]")
-
-    for m in (reference, control, model):
-        m.eval()
-    tokens = args.gen_batch * args.new_tokens
-    runs = interleaved({"transformers": lambda: generate_time(reference, prompt, args.new_tokens),
-                        "transformers copy": lambda: generate_time(control, prompt, args.new_tokens),
-                        "oslo tp=1": lambda: generate_time(model, prompt, args.new_tokens)}, args.repeats)
-    print(f"\n   generate(): greedy, batch {args.gen_batch}, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, KV cache, {args.repeats} runs each:")
-    for name, values in runs.items():
-        _print_times(name, values, unit_fn=lambda seconds: tokens / seconds)
-    base_wall, base_cpu = _medians(runs["transformers"])
-    oslo_wall, oslo_cpu = _medians(runs["oslo tp=1"])
-    ctrl_wall, ctrl_cpu = _medians(runs["transformers copy"])
-    rate_ok = base_cpu / oslo_cpu >= TOKENS_TARGET
-    print(f"     control: transformers copy / transformers tokens/s = {base_cpu / ctrl_cpu:.3f} cpu, "
-          f"{base_wall / ctrl_wall:.3f} wall")
-    print(f"     ratio oslo / transformers (tokens/s) = {base_cpu / oslo_cpu:.3f} cpu, "
-          f"{base_wall / oslo_wall:.3f} wall  target >= {TOKENS_TARGET}  [{bench.verdict(rate_ok)}]")
-    ok = time_ok and rate_ok and not problems
+    load = os.getloadavg()
+    print(f"\nsummary (cpu-time ratios oslo / transformers, A/A control in brackets; load average now "
+          f"{load[0]:.2f}):")
+    ok = True
+    for name, r in results.items():
+        arch_ok = r["time_ok"] and r["rate_ok"] and not r["problems"]
+        ok &= arch_ok
+        agreement = "same" if not r["problems"] else "; ".join(r["problems"])
+        print(f"   {name:<8} training step time {r['train']['oslo'][0]:.3f} ({r['train']['control'][0]:.3f}) "
+              f"<= {TIME_TARGET} [{bench.verdict(r['time_ok'])}]; generate tokens/s {r['rate']['oslo'][0]:.3f} "
+              f"({r['rate']['control'][0]:.3f}) >= {TOKENS_TARGET} [{bench.verdict(r['rate_ok'])}]; "
+              f"agreement {agreement}  [{bench.verdict(arch_ok)}]")
     print(f"\noverhead overall: {bench.verdict(ok)}")
     return 0 if ok else 1
 
