@@ -1,6 +1,6 @@
 """oslo: pre-parallelized Hugging Face transformer models."""
 
-from transformers import BertConfig, GPT2Config, GPTNeoConfig
+from transformers import BertConfig, GPT2Config, GPTNeoConfig, T5Config
 
 from oslo.data import (
     DatasetBlender,
@@ -46,6 +46,20 @@ from oslo.models import (
     GPTNeoMLP,
     GPTNeoModel,
     GPTNeoPreTrainedModel,
+    T5Attention,
+    T5Block,
+    T5DenseActDense,
+    T5DenseGatedActDense,
+    T5EncoderModel,
+    T5ForConditionalGeneration,
+    T5ForQuestionAnswering,
+    T5ForSequenceClassification,
+    T5ForTokenClassification,
+    T5LayerFF,
+    T5LayerNorm,
+    T5Model,
+    T5PreTrainedModel,
+    T5Stack,
 )
 from oslo.parallel import ParallelContext, clip_grad_norm_
 
@@ -91,6 +105,21 @@ __all__ = [
     "GPTNeoForSequenceClassification",
     "GPTNeoForTokenClassification",
     "GPTNeoForQuestionAnswering",
+    "T5Config",
+    "T5Attention",
+    "T5Block",
+    "T5DenseActDense",
+    "T5DenseGatedActDense",
+    "T5EncoderModel",
+    "T5ForConditionalGeneration",
+    "T5ForQuestionAnswering",
+    "T5ForSequenceClassification",
+    "T5ForTokenClassification",
+    "T5LayerFF",
+    "T5LayerNorm",
+    "T5Model",
+    "T5PreTrainedModel",
+    "T5Stack",
     "ParallelContext",
     "DatasetPreprocessor",
     "DatasetForCausalLM",

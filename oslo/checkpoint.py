@@ -805,7 +805,9 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
             for t in range(context.tensor_parallel_size)
         }
         tied = _tied_keys(model)  # ties within rank 0's stage, and those across stages:
-        tied.update({e.name: model._tied_weights_keys[e.name] for e in everything if e.tied_copy})
+        families = model._tie_families() if hasattr(model, "_tie_families") else {}
+        sources = {target: source for source, targets in families.items() for target in targets}
+        tied.update({e.name: sources[e.name] for e in everything if e.tied_copy})
         _write_json(save.path(SPLIT_INDEX_NAME), {
             "format": "oslo-split",
             "version": 2,

@@ -43,6 +43,22 @@ from oslo.models.gpt_neo import (
     GPTNeoModel,
     GPTNeoPreTrainedModel,
 )
+from oslo.models.t5 import (
+    T5Attention,
+    T5Block,
+    T5DenseActDense,
+    T5DenseGatedActDense,
+    T5EncoderModel,
+    T5ForConditionalGeneration,
+    T5ForQuestionAnswering,
+    T5ForSequenceClassification,
+    T5ForTokenClassification,
+    T5LayerFF,
+    T5LayerNorm,
+    T5Model,
+    T5PreTrainedModel,
+    T5Stack,
+)
 
 __all__ = [
     "OsloPreTrainedModel",
@@ -82,4 +98,18 @@ __all__ = [
     "GPTNeoForSequenceClassification",
     "GPTNeoForTokenClassification",
     "GPTNeoForQuestionAnswering",
+    "T5Attention",
+    "T5Block",
+    "T5DenseActDense",
+    "T5DenseGatedActDense",
+    "T5EncoderModel",
+    "T5ForConditionalGeneration",
+    "T5ForQuestionAnswering",
+    "T5ForSequenceClassification",
+    "T5ForTokenClassification",
+    "T5LayerFF",
+    "T5LayerNorm",
+    "T5Model",
+    "T5PreTrainedModel",
+    "T5Stack",
 ]

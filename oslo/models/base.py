@@ -12,6 +12,7 @@ from datetime import timedelta
 from functools import cache
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
@@ -158,14 +159,24 @@ class OsloPreTrainedModel(PreTrainedModel):
             offsets[name] = total
             total += model.get_submodule(name).num_layers
         costs, before, after = [0.0] * total, 0.0, 0.0
+        # Between two containers (an encoder-decoder), a parameter of the first one's parent module (T5's
+        # encoder.final_layer_norm) weighs on the stage of its last layer, any other (the decoder's
+        # embed_tokens) on the stage of the next container's first layer, as the model code places them.
+        between = 0.0
+        last_container = None
         for name, param in model.named_parameters(remove_duplicate=False):  # a tied copy weighs on its stage
             container = next((c for c in containers if name.startswith(c + ".")), None)
             if container is not None:
+                costs[offsets[container]] += between
+                between, last_container = 0.0, container
                 costs[offsets[container] + int(name[len(container) + 1:].split(".")[0])] += param.numel()
-            elif not any(costs):
+            elif last_container is None:
                 before += param.numel()
+            elif len(containers) > 1 and name.startswith(last_container.rpartition(".")[0] + "."):
+                costs[offsets[last_container] + model.get_submodule(last_container).num_layers - 1] += param.numel()
             else:
-                after += param.numel()
+                between += param.numel()
+        after += between
         return partition_costs(costs, validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
                                before, after)
 
@@ -174,73 +185,122 @@ class OsloPreTrainedModel(PreTrainedModel):
         self.micro_batch_size = validate_parallel_size("micro_batch_size", micro_batch_size)
 
     # ---- weights tied across pipeline stages ---------------------------------------------------
+    def _tie_families(self) -> dict[str, list[str]]:
+        """``{source: [targets]}`` of the model's weight ties, sub-models' included, as full parameter names
+        (whichever stage holds them): GPT2's ``{"transformer.wte.weight": ["lm_head.weight"]}``, T5's
+        ``shared.weight`` with the encoder's and the decoder's ``embed_tokens`` and ``lm_head``. Ties hold only
+        where the (sub-)model's config ties word embeddings, as in transformers."""
+        families: dict[str, list[str]] = {}
+        for prefix, module in self.named_modules():
+            if not isinstance(module, PreTrainedModel) or not getattr(module.config, "tie_word_embeddings", False):
+                continue
+            dot = f"{prefix}." if prefix else ""
+            for target, source in (module._tied_weights_keys or {}).items():
+                targets = families.setdefault(dot + source, [])
+                if dot + target not in targets:
+                    targets.append(dot + target)
+        return families
+
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        # Under pipeline parallelism a tied pair may be split across stages (GPT2's wte on the first,
-        # lm_head on the last): only pairs held by this stage are tied by sharing the parameter; the
-        # others start equal and get equal gradients (pipeline_gradient_reduction). oslo's tie keys are
-        # plain parameter names: they are not expanded as patterns (transformers would look up both ends
-        # among this stage's parameters, and fail when one is on another stage).
+        # Under pipeline parallelism a tie may span stages (GPT2's wte on the first, lm_head on the last;
+        # T5's shared embedding, its decoder's copy and lm_head on up to three): the members a stage holds
+        # share one parameter (the source if held here, else the first target), and the stages' copies
+        # start equal and get equal gradients (pipeline_gradient_reduction). oslo's tie keys are plain
+        # parameter names: they are not expanded as patterns (transformers would look up both ends among
+        # this stage's parameters, and fail when one is on another stage).
         if self.parallel_context.pipeline_parallel_size == 1 or all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels)
         if not getattr(self.config, "tie_word_embeddings", False) or not self._tied_weights_keys:
             return {}
         local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        return {target: source for target, source in self._tied_weights_keys.items()
-                if target in local and source in local}
+        families: dict[str, list[str]] = {}
+        for target, source in self._tied_weights_keys.items():
+            families.setdefault(source, []).append(target)
+        tied = {}
+        for source, targets in families.items():
+            members = [name for name in [source, *sorted(targets)] if name in local]
+            tied.update({member: members[0] for member in members[1:]})
+        return tied
 
     def cross_stage_tied_weights(self) -> dict[str, str]:
-        """``{local parameter: the name of its tied twin on another stage}`` (empty without pipelines).
+        """``{local parameter: the name of a tied twin on another stage}`` (empty without pipelines).
 
-        The twin of a tie target (``lm_head.weight``) is its source (``transformer.wte.weight``) and
-        vice versa. Checkpoints hold the source; both copies start equal and get the same gradients.
-        Pairs whose two ends are both on this stage (BERT's decoder bias and ``cls.predictions.bias``)
-        share one parameter and are not listed.
+        A tie target's twin is its source (``lm_head.weight``: ``transformer.wte.weight``), which the
+        checkpoints hold; a source's twin is a target held elsewhere. The stages' copies start equal and get
+        the same gradients. Ties whose members are all on this stage (BERT's decoder bias and
+        ``cls.predictions.bias``) share one parameter and are not listed.
         """
-        context = self.parallel_context
-        if context.pipeline_parallel_size == 1 or not getattr(self.config, "tie_word_embeddings", False):
+        if self.parallel_context.pipeline_parallel_size == 1:
             return {}
         local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
         twins = {}
-        for target, source in sorted((self._tied_weights_keys or {}).items()):
-            if target in local and source not in local:
-                twins[target] = source
-            elif source in local and target not in local:
-                twins[source] = target
+        for source, targets in sorted(self._tie_families().items()):
+            elsewhere = [name for name in [source, *sorted(targets)] if name not in local]
+            if not elsewhere:
+                continue
+            for member in [source, *targets]:
+                if member in local:
+                    twins[member] = source if source not in local else elsewhere[0]
         return twins
 
     def cross_stage_tied_copies(self) -> dict[str, str]:
         """``{copy: source}`` for this stage's tie targets whose source is on another stage (GPT2's
         ``lm_head.weight`` on the last stage). Merged checkpoints leave them out, as transformers leaves
         out tied weights; gradient clipping counts them once; initialization copies the source."""
-        if not getattr(self.config, "tie_word_embeddings", False):
-            return {}
-        targets = set(self._tied_weights_keys or {})
-        return {name: twin for name, twin in self.cross_stage_tied_weights().items() if name in targets}
+        twins = self.cross_stage_tied_weights()
+        return {name: twin for source, targets in self._tie_families().items() for name in targets
+                if (twin := twins.get(name)) == source}
+
+    def _build_tie_groups(self) -> None:
+        """For every tie whose members sit on several pipeline stages, the group of those stages (see
+        :meth:`~oslo.parallel.context.ParallelContext.stage_group`), over which the copies sum their
+        gradients. The stages tell each other which ties they hold (one small all-gather), so the groups
+        follow what each stage built."""
+        self._tie_groups: dict[str, tuple[tuple[int, ...], object]] = {}
+        context = self.parallel_context
+        if context.pipeline_parallel_size == 1:
+            return
+        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
+        families = self._tie_families()
+        held = sorted(source for source, targets in families.items() if any(m in local for m in [source, *targets]))
+        stages: list = [None] * context.pipeline_parallel_size
+        dist.all_gather_object(stages, held, group=context.pipeline_parallel_group)
+        for source in sorted(families):
+            holders = tuple(stage for stage, sources in enumerate(stages) if source in sources)
+            if len(holders) > 1:
+                self._tie_groups[source] = (holders, context.stage_group(holders))
 
     def pipeline_gradient_reduction(self, average_replicas: bool = True, half: bool = False) -> Callable[[bool], None]:
         """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
 
-        Returns a function ``reduce(scaled)`` that (1) sums the gradients a step added to weights tied
-        across the first and last stage, so both copies get the gradient the single tied weight would,
-        (2) averages gradients over the data-parallel group, as ``DistributedDataParallel`` would (unless
-        ``average_replicas=False``: inside DDP's ``no_sync()``), and (3) makes the ranks of the model
-        agree on non-finite gradients, so that a gradient scaler skips the step on all of them or on
-        none (each rank looks for them when ``half`` (float16 compute) or ``scaled`` (a backward seeded
-        by a loss scale)). Gradients accumulated before the step (several batches per optimizer step)
-        are not counted twice: the snapshot of the tied gradients is taken now, at the start of the step.
+        Returns a function ``reduce(scaled)`` that (1) sums the gradients a step added to the copies of a
+        weight tied across stages (over the stages that hold it), so every copy gets the gradient the single
+        tied weight would, (2) averages gradients over the data-parallel group, as
+        ``DistributedDataParallel`` would (unless ``average_replicas=False``: inside DDP's ``no_sync()``),
+        and (3) makes the ranks of the model agree on non-finite gradients, so that a gradient scaler skips
+        the step on all of them or on none (each rank looks for them when ``half`` (float16 compute) or
+        ``scaled`` (a backward seeded by a loss scale)). Gradients accumulated before the step (several
+        batches per optimizer step) are not counted twice: the snapshot of the tied gradients is taken now,
+        at the start of the step.
         """
         context = self.parallel_context
-        parameters = dict(self.named_parameters())
-        tied = [parameters[name] for name in sorted(self.cross_stage_tied_weights())]  # same order on both
-        before = [param.grad.detach().clone() if param.grad is not None else None for param in tied]
+        parameters = dict(self.named_parameters(remove_duplicate=False))
+        families = self._tie_families()
+        tied = []  # (parameter, group): this stage's one parameter of each tie held on several stages
+        for source, (holders, group) in sorted(getattr(self, "_tie_groups", {}).items()):
+            if context.pipeline_parallel_rank not in holders:
+                continue
+            member = next(name for name in [source, *sorted(families[source])] if name in parameters)
+            tied.append((parameters[member], group))
+        before = [param.grad.detach().clone() if param.grad is not None else None for param, _ in tied]
 
         def reduce(scaled: bool) -> None:
-            for param, previous in zip(tied, before, strict=True):
+            for (param, group), previous in zip(tied, before, strict=True):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                torch.distributed.all_reduce(param.grad, group=context.embedding_group)
-                if previous is not None:  # both stages held it, and both added it
-                    param.grad.sub_(previous)
+                dist.all_reduce(param.grad, group=group)
+                if previous is not None:  # every holding stage added it
+                    param.grad.sub_(previous * (dist.get_world_size(group) - 1))
             grads = [param.grad for param in self.parameters() if param.grad is not None]
             if average_replicas:
                 average_over_replicas(grads, context)
@@ -395,7 +455,11 @@ class OsloPreTrainedModel(PreTrainedModel):
                     and num_items_in_batch is None and context.data_parallel_size > 1:
                 divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
             on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
-            outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
+            if body is self:  # the head class is its own body (T5ForConditionalGeneration): run its steps
+                outputs = body.run(body.prepare(**inputs, cache=cache, use_cache=use_cache, return_dict=True,
+                                                **body_kwargs))
+            else:
+                outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
             values = head(outputs, inputs, head_inputs, True)
             self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
             output = output_class(**with_body_fields(values, outputs))
@@ -404,29 +468,32 @@ class OsloPreTrainedModel(PreTrainedModel):
         # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
         per_layer_fields = [name for name in body.per_layer_outputs if name in fields]
         stage_outputs: dict[str, tuple] = {}
-        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
+        last = context.is_pipeline_last_stage()
 
         def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
             body_inputs = {name: batch.get(name) for name in inputs}
             with self._model_call():  # a part of this call (the schedule runs it later): no input check
                 state = body.prepare(**body_inputs, cache=cache, use_cache=cache is not None,
                                      return_dict=True, **body_kwargs)
-                payload = body.run_layers(body.embed(state) if first else received, state)
+                payload = body.run_layers(body.embed(state) if received is None else received, state)
                 outputs = body.finish(payload, state) if last else None
             stage_outputs.update({name: getattr(state, name) for name in per_layer_fields
                                   if getattr(state, name, None) is not None})
             if not last:
                 return payload
             values = head(outputs, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
+            if outputs_needed:  # the body's own fields the head leaves (T5's encoder_last_hidden_state)
+                values = with_body_fields(values, outputs)
             return self._average_losses(values, batch, loss_items, num_items_in_batch, divisors)
 
         def wrap(output):
             return output if return_dict else output.to_tuple()
 
         if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
-            asked = [name for name in per_layer_fields
-                     if (body_kwargs.get(f"output_{name}") if body_kwargs.get(f"output_{name}") is not None
-                         else getattr(self.config, f"output_{name}", False))]
+            flags = {"output_hidden_states" if "hidden_states" in name else "output_attentions"
+                     for name in per_layer_fields}
+            asked = [flag for flag in sorted(flags) if (
+                body_kwargs[flag] if body_kwargs.get(flag) is not None else getattr(self.config, flag, False))]
             if cache is not None or asked:
                 raise NotImplementedError(
                     "a KV cache (cache=), output_hidden_states and output_attentions are not supported in a pipeline "
@@ -471,7 +538,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             cache = self._new_cache()
         names = [name for name in fields if name not in per_layer_fields and name != CACHE_FIELD]
         values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names,
-                               payload=body.stage_payload)
+                               payload=body.stage_payload, first_stage=body.first_pass_stage(inputs, body_kwargs))
         link = StageLink(context)
         gathered = [name for name in per_layer_fields if name in stage_outputs]
         values.update({name: link.gather_stages(stage_outputs[name]) for name in gathered})
@@ -553,7 +620,8 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def __call__(self, *args, **kwargs):
         with self._user_call(args, kwargs) as outermost:
-            if outermost and isinstance(self, StagedBody) and self.parallel_context.pipeline_parallel_size > 1:
+            if outermost and isinstance(self, StagedBody) and not self.head_runs_stages \
+                    and self.parallel_context.pipeline_parallel_size > 1:
                 return self._pipelined_body_call(*args, **kwargs)
             return super().__call__(*args, **kwargs)
 
@@ -742,6 +810,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         # which unties shared weights: tie them again.
         model = model.to(dtype).to_empty(device=context.device)
         model.tie_weights()
+        model._build_tie_groups()
         model._initialize_buffers()
         return model
 

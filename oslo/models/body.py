@@ -48,9 +48,13 @@ class StagedBody:
         stage_payload: Names of the tensors one stage passes the next.
         per_layer_outputs: Output fields that the layers fill stage by stage (gathered in stage order
             when a pipelined call asks for them).
+        head_runs_stages: The class is a head over itself (its forward runs the stages through the head).
     """
 
     output_class: type[ModelOutput] = BaseModelOutputWithPastAndCrossAttentions
+    # A class that is its own body and has a head (T5ForConditionalGeneration holds the stacks itself): its
+    # forward runs the stages through the head; a plain body's call is one pass over the stages.
+    head_runs_stages: bool = False
     stage_payload: tuple[str, ...] = ("hidden_states",)
     per_layer_outputs: tuple[str, ...] = ("hidden_states", "attentions")
 
@@ -58,6 +62,11 @@ class StagedBody:
         """Whether a no-gradient call of this body keeps keys and values for later steps (decoders do;
         an encoder does not, as transformers' BERT caches only with ``is_decoder``)."""
         return True
+
+    def first_pass_stage(self, inputs: dict, options: dict) -> int:
+        """The first pipeline stage a no-gradient pass of these inputs runs (0: all; an encoder-decoder given
+        the encoder's output starts where the decoder does). Its ``embed`` gets the first payload."""
+        return 0
 
     def prepare(self, **inputs) -> BodyState:
         raise NotImplementedError

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
+    Seq2SeqLMOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
@@ -44,12 +45,16 @@ __all__ = [
     "MaskedLMHead",
     "MultipleChoiceHead",
     "QuestionAnsweringHead",
+    "Seq2SeqLMHead",
     "SequenceClassificationHead",
     "TokenClassificationHead",
     "answer_positions",
     "body_inputs",
+    "check_eos_tokens",
     "class_items",
+    "last_eos_hidden_state",
     "problem_type",
+    "seq2seq_body_inputs",
     "sequence_classification_items",
     "sequence_classification_loss_sum",
 ]
@@ -181,6 +186,89 @@ class CausalLMHead:
         )
 
 
+def seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
+                        decoder_inputs_embeds, encoder_outputs=None) -> dict:
+    """The batch inputs an encoder-decoder body takes, by name (``encoder_outputs``, when given, as its
+    ``last_hidden_state``: a tensor that micro-batches split)."""
+    return dict(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=decoder_attention_mask, inputs_embeds=inputs_embeds,
+                decoder_inputs_embeds=decoder_inputs_embeds,
+                encoder_last_hidden_state=None if encoder_outputs is None else encoder_outputs[0])
+
+
+class Seq2SeqLMHead:
+    """Sequence-to-sequence language modeling (T5's ``ForConditionalGeneration``): a prediction per decoder
+    position over a vocabulary split across tensor-parallel ranks, against labels that the decoder reads
+    shifted right (``self._shift_right(labels)`` when no decoder inputs are given), ``-100`` not predicted.
+
+    The loss is the vocabulary-parallel cross entropy of :class:`MaskedLMHead` (unshifted, never gathering
+    the logits); the logits are gathered for the output as :class:`CausalLMHead` does. An architecture
+    builds ``self.lm_head`` (a :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage) and may
+    override :meth:`_lm_logits` (T5 scales the decoder's output first).
+    """
+
+    _lm_output_class: type = Seq2SeqLMOutput
+
+    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
+        return self.lm_head(hidden_states)
+
+    def _vocab_projection(self) -> VocabParallelLMHead:
+        return self.lm_head
+
+    @accepts_legacy_cache_name
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs=None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        gather_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """As transformers' ``...ForConditionalGeneration.forward`` (see the class; ``gather_logits`` as for
+        :class:`CausalLMHead`). Under pipeline parallelism a call with ``labels`` while gradients are enabled
+        returns the micro-batch outputs of a training step; with ``encoder_outputs`` given (generate()'s
+        decoding steps) only the decoder's stages run."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            check_labels(labels, self.config.vocab_size)  # every rank, before any communication
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self._shift_right(labels)
+        gather = gather_logits_by_default(self, gather_logits, labels)
+
+        def head(outputs, inputs, head_inputs, outputs_needed):
+            projection = self._vocab_projection()
+            local_logits = self._lm_logits(outputs.last_hidden_state)  # (B, T_dec, V_local)
+            loss = None
+            if head_inputs["labels"] is not None:
+                loss = LossSum(MaskedLMHead._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
+            logits = projection.gather(local_logits) if gather and outputs_needed else None
+            return {"loss": loss, "logits": logits}
+
+        return self._forward_with_head(
+            self.base_model,
+            seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
+                                decoder_inputs_embeds, encoder_outputs),
+            {"labels": labels},
+            head,
+            output_class_for(self, self._lm_output_class, gather, gather_logits),
+            cache=cache,
+            use_cache=use_cache,
+            return_dict=return_dict,
+            body_kwargs=kwargs,
+            loss_items=lambda batch: {"loss": class_items(batch["labels"])},
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
 class TokenClassificationHead(ClassifierDropout):
     """A class per token: dropout, then a linear layer on every position's hidden state."""
 
@@ -204,6 +292,13 @@ class TokenClassificationHead(ClassifierDropout):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
+        return self._classify_tokens(
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), labels,
+            cache=cache, use_cache=use_cache, return_dict=return_dict, **kwargs)
+
+    def _classify_tokens(self, inputs: dict, labels, cache=None, use_cache=None, return_dict=None, **kwargs):
+        """The head on the body's outputs for ``inputs`` (the body's batch inputs, by name): what every
+        architecture's ``forward`` calls, whatever inputs its body takes."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if labels is not None:
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
@@ -218,7 +313,7 @@ class TokenClassificationHead(ClassifierDropout):
 
         return self._forward_with_head(
             self.base_model,
-            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            inputs,
             {"labels": labels},
             head,
             TokenClassifierOutput,
@@ -240,9 +335,13 @@ class SequenceClassificationHead:
     * ``_sequence_pooling = "last_token"`` (default, transformers' decoders such as GPT2): the hidden state
       of the sequence's last non-padding token (``config.pad_token_id`` finds it; left and right padding
       both work);
-    * ``_sequence_pooling = "pooler"`` (transformers' encoders such as BERT): the body's ``pooler_output``.
+    * ``_sequence_pooling = "pooler"`` (transformers' encoders such as BERT): the body's ``pooler_output``;
+    * ``_sequence_pooling = "eos"`` (transformers' encoder-decoders such as T5): the hidden state at the last
+      ``config.eos_token_id`` of each input row, every row holding the same number of them (checked on
+      every rank before the model runs, a ``ValueError`` otherwise, as transformers raises).
 
-    ``_sequence_classifier`` names the linear layer (``"score"``; BERT: ``"classifier"``),
+    ``_sequence_classifier`` names the classifier (``"score"``; BERT: ``"classifier"``; T5:
+    ``"classification_head"``, a module of its own; the class builds it when it is not a plain linear layer),
     ``_sequence_classifier_bias`` whether it has a bias, ``_sequence_classifier_dropout`` whether a dropout
     (:meth:`ClassifierDropout._classifier_dropout_probability`) comes before it, and
     ``_sequence_classification_output_class`` the output class.
@@ -255,9 +354,10 @@ class SequenceClassificationHead:
     _sequence_classification_output_class: type = SequenceClassifierOutputWithPast
 
     def _build_sequence_classification_head(self, config) -> None:
-        if self._sequence_pooling not in ("last_token", "pooler"):
+        if self._sequence_pooling not in ("last_token", "pooler", "eos"):
             raise ValueError(
-                f"{type(self).__name__}._sequence_pooling is {self._sequence_pooling!r}; use 'last_token' or 'pooler'."
+                f"{type(self).__name__}._sequence_pooling is {self._sequence_pooling!r}; use 'last_token', 'pooler' "
+                "or 'eos'."
             )
         self.num_labels = config.num_labels
         if self._sequence_classifier_dropout:
@@ -281,21 +381,34 @@ class SequenceClassificationHead:
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast | tuple:
+        return self._classify_sequences(
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), labels,
+            cache=cache, use_cache=use_cache, return_dict=return_dict, **kwargs)
+
+    def _classify_sequences(self, inputs: dict, labels, cache=None, use_cache=None, return_dict=None, **kwargs):
+        """The head on the body's outputs for ``inputs`` (the body's batch inputs, by name): what every
+        architecture's ``forward`` calls, whatever inputs its body takes."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         kind = problem_type(self.config, self.num_labels, labels) if labels is not None else None
         if kind == "single_label_classification":  # cross entropy on classes
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
+        input_ids, inputs_embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        last_token_pooling = self._sequence_pooling == "last_token"
-        if last_token_pooling and self.config.pad_token_id is None and batch_size != 1:
+        pooling = self._sequence_pooling
+        if pooling == "last_token" and self.config.pad_token_id is None and batch_size != 1:
             raise ValueError(
                 f"{type(self).__name__} needs config.pad_token_id to find the last token of each of the "
                 f"{batch_size} sequences; set pad_token_id (e.g. pad_token_id=tokenizer.eos_token_id)."
             )
+        if pooling == "eos":
+            check_eos_tokens(type(self).__name__, input_ids, self.config.eos_token_id)  # every rank, first
 
         def head(outputs, inputs, head_inputs, outputs_needed):
             classifier = getattr(self, self._sequence_classifier)
-            if not last_token_pooling:
+            if pooling == "eos":
+                pooled_logits = classifier(last_eos_hidden_state(outputs.last_hidden_state, inputs["input_ids"],
+                                                                 self.config.eos_token_id))  # (B, num_labels)
+            elif pooling == "pooler":
                 pooled = outputs.pooler_output  # (B, C)
                 if self._sequence_classifier_dropout:
                     pooled = self.dropout(pooled)
@@ -322,7 +435,7 @@ class SequenceClassificationHead:
 
         return self._forward_with_head(
             self.base_model,
-            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            inputs,
             {"labels": labels},
             head,
             self._sequence_classification_output_class,
@@ -358,7 +471,17 @@ class QuestionAnsweringHead:
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
+        return self._answer_questions(
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), start_positions,
+            end_positions, return_dict=return_dict, **kwargs)
+
+    def _answer_questions(self, inputs: dict, start_positions, end_positions, return_dict=None,
+                          output_class: type = QuestionAnsweringModelOutput, **kwargs):
+        """The head on the body's outputs for ``inputs`` (the body's batch inputs, by name; the answer is
+        searched in ``input_ids``): what every architecture's ``forward`` calls, whatever inputs its body
+        takes."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        input_ids, inputs_embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
 
         def head(outputs, inputs, head_inputs, outputs_needed):
@@ -384,10 +507,10 @@ class QuestionAnsweringHead:
 
         return self._forward_with_head(
             self.base_model,
-            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
+            inputs,
             {"start_positions": start_positions, "end_positions": end_positions},
             head,
-            QuestionAnsweringModelOutput,
+            output_class,
             use_cache=False,
             return_dict=return_dict,
             body_kwargs=kwargs,
@@ -571,6 +694,31 @@ def sequence_classification_items(kind: str, labels: torch.Tensor) -> torch.Tens
     if kind == "single_label_classification":
         return class_items(labels.view(-1))
     return torch.tensor(labels.numel(), device=labels.device)
+
+
+def check_eos_tokens(model_name: str, input_ids: torch.Tensor | None, eos_token_id: int | None) -> None:
+    """EOS pooling's requirement, checked before the model runs: every row of ``input_ids`` holds the same
+    number (at least one) of ``eos_token_id``, as transformers requires."""
+    if input_ids is None or eos_token_id is None:
+        raise ValueError(
+            f"{model_name} pools each sequence at its last eos_token_id: it needs input_ids and "
+            f"config.eos_token_id (got input_ids={'None' if input_ids is None else 'given'}, "
+            f"eos_token_id={eos_token_id})."
+        )
+    counts = input_ids.eq(eos_token_id).sum(-1).reshape(-1)
+    if counts.numel() and (counts.min() != counts.max() or counts.min() < 1):
+        raise ValueError(
+            f"{model_name}: all examples must have the same number of <eos> tokens, and at least one "
+            f"(eos_token_id={eos_token_id}); the rows hold {counts.tolist()}. End every row with one eos token "
+            "(and pad after it)."
+        )
+
+
+def last_eos_hidden_state(hidden_states: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """``(B, C)``: each row's hidden state at its last ``eos_token_id`` (rows hold equally many)."""
+    batch_size, _, hidden_size = hidden_states.shape
+    selected = hidden_states[input_ids.eq(eos_token_id).to(hidden_states.device), :]
+    return selected.view(batch_size, -1, hidden_size)[:, -1, :]
 
 
 def answer_positions(positions: torch.Tensor, length: int) -> torch.Tensor:

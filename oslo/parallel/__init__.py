@@ -6,6 +6,7 @@ from oslo.parallel.comm import PeerLostError, PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.failure import ModelUnusableError
 from oslo.parallel.layers import (
+    ColumnParallelEmbedding,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -27,6 +28,7 @@ __all__ = [
     "ParallelRNG",
     "ShardSpec",
     "ColumnParallelLinear",
+    "ColumnParallelEmbedding",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",

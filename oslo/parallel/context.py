@@ -206,6 +206,8 @@ class ParallelContext:
         self.embedding_group = self._new_groups(
             [[rank_of(i, 0, k), rank_of(i, pp - 1, k)] for i in range(dp) for k in range(tp)]) if pp > 1 else None
 
+        self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
         if seed is None:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
         self.seed = seed
@@ -226,9 +228,31 @@ class ParallelContext:
         context._embedding_ranks = [0, 0]
         context.world_group = context.tensor_parallel_group = context.pipeline_parallel_group = None
         context.data_parallel_group = context.model_parallel_group = context.embedding_group = None
+        context._stage_groups = {}
         context.seed = 0
         context.rng = ParallelRNG(0, 0, context.device)
         return context
+
+    def global_rank(self, data_parallel_rank: int, pipeline_parallel_rank: int, tensor_parallel_rank: int) -> int:
+        """The global rank at a place of the (data, pipeline, tensor) grid (tensor fastest)."""
+        return ((data_parallel_rank * self.pipeline_parallel_size + pipeline_parallel_rank)
+                * self.tensor_parallel_size + tensor_parallel_rank)
+
+    def stage_group(self, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The group of this rank's counterparts (same tensor- and data-parallel rank) on the pipeline
+        ``stages``: weights tied across those stages (T5's ``shared`` embedding on the first stage, its
+        decoder's copy on the stage where the decoder starts, ``lm_head`` on the last) sum their gradients
+        over it. Collective: every rank must ask for the same stage sets in the same order (the models'
+        builds do), and gets ``None`` for a set without its own stage. The first and last stage's group is
+        :attr:`embedding_group`."""
+        stages = tuple(sorted(set(stages)))
+        if stages == (0, self.pipeline_parallel_size - 1):
+            return self.embedding_group
+        if stages not in self._stage_groups:
+            ranks = [[self.global_rank(d, p, t) for p in stages]
+                     for d in range(self.data_parallel_size) for t in range(self.tensor_parallel_size)]
+            self._stage_groups[stages] = self._new_groups(ranks)
+        return self._stage_groups[stages]
 
     def _default_device(self) -> torch.device:
         if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -228,6 +228,41 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, local rows {rows} + {padding} padding"
 
 
+class ColumnParallelEmbedding(nn.Module):
+    """Embedding whose embedding dimension (columns) is split across tensor-parallel ranks: each rank looks
+    up its own columns of every row, with no communication. T5's relative position bias, a table of
+    ``(num_buckets, num_heads)``, is one: each rank holds its attention heads' columns.
+
+    Args:
+        num_embeddings: Rows (every rank holds all of them).
+        embedding_dim: Global number of columns (split; must be divisible by the tensor-parallel size).
+        parallel_context: The model's :class:`ParallelContext` (``None``: a single rank).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        parallel_context: ParallelContext | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        _, world, rank = _tensor_parallel(parallel_context)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight_spec = ShardSpec(COLUMN, 1, embedding_dim, world, rank)
+        self.parallel_specs = {"weight": self.weight_spec}
+        self.weight = nn.Parameter(torch.empty(num_embeddings, self.weight_spec.local_size, device=device,
+                                               dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local columns {self.weight_spec.local_size}"
+
+
 class VocabParallelLMHead(ColumnParallelLinear):
     """Language-model head whose vocabulary columns are split across tensor-parallel ranks.
 

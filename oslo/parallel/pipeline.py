@@ -821,7 +821,7 @@ def pipeline_schedule(
 
 def pipeline_pass(
     context: ParallelContext, stage_forward: Callable[[dict | None], Any], names: list[str],
-    payload: tuple[str, ...] = ("hidden_states",),
+    payload: tuple[str, ...] = ("hidden_states",), first_stage: int = 0, last_stage: int | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Run one batch through the stages without gradients; every stage gets the last stage's outputs.
 
@@ -832,25 +832,33 @@ def pipeline_pass(
             or on the last stage a mapping of outputs.
         names: The outputs to hand to every stage, in an order all stages share.
         payload: The names of the tensors one stage passes the next.
+        first_stage, last_stage: Run only the stages from ``first_stage`` to ``last_stage`` (default: the
+            last), the others waiting for the outputs: an encoder-decoder's encoder alone (up to the stage
+            of its last layer), or its decoder alone (from the stage of its first layer, the encoder's output
+            given).
 
     Returns:
         ``{name: tensor or None}``, the same on every stage.
     """
     link = StageLink(context)
-    last = context.is_pipeline_last_stage()
+    stage = context.pipeline_parallel_rank
+    last_stage = context.pipeline_parallel_size - 1 if last_stage is None else last_stage
+    runs, last = first_stage <= stage <= last_stage, stage == last_stage
+    result = None
     with torch.no_grad():
         try:
-            received = None
-            if not context.is_pipeline_first_stage():
-                received = dict(zip(payload, link.recv(link.prev), strict=True))
-            result = stage_forward(received)
-            if not last:
-                link.send(_payload_list(result, payload), link.next)
+            if runs:
+                received = None
+                if stage > first_stage:
+                    received = dict(zip(payload, link.recv(link.prev), strict=True))
+                result = stage_forward(received)
+                if not last:
+                    link.send(_payload_list(result, payload), link.next)
         except BaseException as exc:
             _end_failed(context, link, exc)
             raise
         failures = link.settle(STEP_OK)
         if failures:
             raise _stage_failures(context, failures)
-        values = {name: link.broadcast_from_last(result.get(name) if last else None) for name in names}
+        values = {name: link.broadcast_from(last_stage, result.get(name) if last else None) for name in names}
     return values

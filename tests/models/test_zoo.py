@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("arch, tp, pp", zoo.layouts(), ids=lambda v: str(v))
 def test_zoo(checkpoints, tmp_path, arch, tp, pp):
     results = run_distributed(zoo.run_layout, tp * pp, arch, tp, pp, checkpoints(arch), str(tmp_path), timeout=240)
-    expected = {case.name for case in zoo.cases_of(arch) if (tp, pp) in zoo.LAYOUTS or case.anchor}
+    expected = {case.key for case in zoo.cases_of(arch) if case.runs_at(tp, pp)}
     assert set(results[0]) == expected
     assert all(result == results[0] for result in results)
 
@@ -44,7 +44,7 @@ def test_training_equals_one_process(checkpoints, arch, tp, pp, wrap):
     transformers gets from one step on the whole batch (GPT2's every head and more layouts:
     tests/models/test_gpt2_training.py)."""
     case = next(c for c in zoo.cases_of(arch) if c.anchor)
-    path = f"{checkpoints(arch)}/{case.name}"
+    path = f"{checkpoints(arch)}/{case.key}"
     results = run_distributed(zoo.run_training, tp * pp * 2, arch, case.name, path, tp, pp, wrap)
     expected = zoo.reference_training_step(case, path)
     for params in results:

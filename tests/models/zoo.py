@@ -12,7 +12,8 @@ registers the module in :data:`CASE_MODULES`; ``tests/models/test_zoo.py`` then 
   keys and the same tensors.
 
 Every class runs at (tp, pp) = (1, 1), (2, 1), (1, 2); each architecture's anchor class also at (4, 1)
-and (2, 2). One distributed launch per (architecture, layout) checks all its classes.
+and (2, 2), and a case at its ``extra_layouts``. One distributed launch per (architecture, layout) checks
+all its classes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import transformers
 import oslo
 from tests.helpers import full_grads, full_params
 
-CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.models.cases_bert"]
+CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.models.cases_bert",
+                "tests.models.cases_t5"]
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # every class
 ANCHOR_LAYOUTS = [(4, 1), (2, 2)]  # each architecture's anchor class
@@ -52,6 +54,8 @@ class Case:
         pipeline_drop: Keys of the batch left out of the pipeline training step.
         generate: Whether ``generate()`` is checked (causal LMs).
         anchor: The class also checked at the anchor layouts.
+        extra_layouts: Further ``(tp, pp)`` layouts this case alone is checked at (T5's ``(1, 4)``).
+        variant: Tells apart two cases of one class (another config style); names its checkpoint.
     """
 
     arch: str
@@ -64,6 +68,16 @@ class Case:
     generate: bool = False
     anchor: bool = False
     generate_kwargs: dict = field(default_factory=dict)
+    extra_layouts: tuple[tuple[int, int], ...] = ()
+    variant: str = ""
+
+    @property
+    def key(self) -> str:
+        """The case's name in results and checkpoint directories."""
+        return f"{self.name}-{self.variant}" if self.variant else self.name
+
+    def runs_at(self, tp: int, pp: int) -> bool:
+        return (tp, pp) in LAYOUTS or (self.anchor and (tp, pp) in ANCHOR_LAYOUTS) or (tp, pp) in self.extra_layouts
 
     @property
     def trains_in_pipeline(self) -> bool:
@@ -94,6 +108,8 @@ def layouts() -> list[tuple[str, int, int]]:
     archs = list(dict.fromkeys(case.arch for case in all_cases()))
     result = [(arch, tp, pp) for arch in archs for tp, pp in LAYOUTS]
     result += [(arch, tp, pp) for arch in archs if any(c.anchor for c in cases_of(arch)) for tp, pp in ANCHOR_LAYOUTS]
+    result += [(arch, tp, pp) for arch in archs for tp, pp in dict.fromkeys(
+        layout for c in cases_of(arch) for layout in c.extra_layouts) if (arch, tp, pp) not in result]
     return result
 
 
@@ -101,7 +117,7 @@ def save_checkpoints(root: str, arch: str) -> None:
     """Each case's transformers model, seeded, saved under ``root/<class>``."""
     for case in cases_of(arch):
         torch.manual_seed(0)
-        getattr(transformers, case.name)(case.config()).save_pretrained(os.path.join(root, case.name))
+        getattr(transformers, case.name)(case.config()).save_pretrained(os.path.join(root, case.key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +226,7 @@ def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str) -> Non
     no missing or unexpected keys and the reference's tensors."""
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    split, merged = os.path.join(root, f"{case.name}-split"), os.path.join(root, f"{case.name}-merged")
+    split, merged = os.path.join(root, f"{case.key}-split"), os.path.join(root, f"{case.key}-merged")
     model.save_pretrained_with_parallel(split)
     model.save_pretrained_with_parallel(merged, save_with_merging=True)
     again = getattr(oslo, case.name).from_pretrained_with_parallel(
@@ -231,12 +247,11 @@ def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str) -> Non
 
 def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: str, scratch: str) -> dict:
     """Every check of ``arch``'s cases at one layout, on one rank; returns what was checked."""
-    anchor_only = (tp, pp) not in LAYOUTS
     checked: dict[str, list[str]] = {}
     for case in cases_of(arch):
-        if anchor_only and not case.anchor:
+        if not case.runs_at(tp, pp):
             continue
-        path = os.path.join(root, case.name)
+        path = os.path.join(root, case.key)
         done = []
         check_parity(case, path, tp, pp)
         done.append("parity")
@@ -246,7 +261,7 @@ def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: st
         if tp * pp > 1:
             check_checkpoints(case, path, tp, pp, os.path.join(scratch, f"{tp}x{pp}"))
             done.append("checkpoints")
-        checked[case.name] = done
+        checked[case.key] = done
     return checked
 
 
