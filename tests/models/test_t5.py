@@ -1,0 +1,199 @@
+"""What is T5's own: collectives per encoder and decoder block, decoding steps that skip the encoder's
+stages, a weight tied over three stages, the position tables shipped between stages, EOS pooling's check,
+fused n-gram blocking, activation checkpointing, dropout across tensor-parallel ranks, and bad input.
+Every class at every layout, pipeline training, generate() and checkpoints: tests/models/test_zoo.py
+(cases in tests/models/cases_t5.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import oslo
+from oslo.parallel.plan import parameter_specs
+from tests.distributed import run_distributed
+from tests.helpers import full_grads, full_params, save_reference
+from tests.models.cases_t5 import EOS, seq2seq_batch, tiny_t5_config, tokens
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("t5")
+    save_reference(transformers.T5ForConditionalGeneration, tiny_t5_config(), directory)
+    return str(directory)
+
+
+class _CountAllReduces:
+    def __enter__(self):
+        self.count, self.original = 0, dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.original
+
+
+def _block_all_reduces(rank, world_size, path):
+    """(forward, backward) all-reduces of an encoder block and of a decoder block (the encoder's output
+    given as the body passes it: already in the tensor-parallel region)."""
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, 32, generator=generator).requires_grad_()
+    encoder_states = torch.randn(2, 5, 32, generator=generator).requires_grad_()
+    counts = {}
+    for name, block, args in [("encoder", model.encoder.block[1], ()),
+                              ("decoder", model.decoder.block[1], (None, None, encoder_states))]:
+        with _CountAllReduces() as forward:
+            out = block(hidden, *args)[0]
+        with _CountAllReduces() as backward:
+            out.square().sum().backward()
+        counts[name] = (forward.count, backward.count)
+    return counts
+
+
+def test_collectives_per_block(path):
+    """Megatron's minimum: 2 + 2 per encoder block, 3 + 3 per decoder block (cross-attention's query input
+    and output; its keys and values read the encoder's output, copied into the region once per stage)."""
+    results = run_distributed(_block_all_reduces, 2, path)
+    assert results == [{"encoder": (2, 2), "decoder": (3, 3)}] * 2, results
+
+
+def _decoding_skips_encoder_stages(rank, world_size, path):
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, pipeline_parallel_size=4)
+    calls = {}
+    for stack in ("encoder", "decoder"):
+        for block in getattr(model, stack).block:
+            index = next(i for i, b in getattr(model, stack).block._modules.items() if b is block)
+            block.register_forward_hook(lambda *_, key=(stack, int(index)): calls.update({key: calls.get(key, 0) + 1}))
+    batch = tokens()
+    model.generate(input_ids=batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2], max_new_tokens=5,
+                   min_new_tokens=5, do_sample=False)
+    return model.parallel_context.pipeline_parallel_rank, calls
+
+
+def test_decoding_steps_skip_the_encoders_stages(path):
+    """At pp=4 (e0 e1 | e2 | d0 | d1): generate() runs each encoder block once and each decoder block once per
+    step (5 steps); the encoder's stages take no part in the steps."""
+    results = dict(run_distributed(_decoding_skips_encoder_stages, 4, path))
+    assert results == {
+        0: {("encoder", 0): 1, ("encoder", 1): 1},
+        1: {("encoder", 2): 1},
+        2: {("decoder", 0): 5},
+        3: {("decoder", 1): 5},
+    }, results
+
+
+def _tie_and_tables(rank, world_size, path):
+    """Gradients of a pipeline training step at pp=4: the embedding tied over stages 0 (shared), 2 (the
+    decoder's embed_tokens) and 3 (lm_head) gets the sum of the three uses on each; the position tables
+    (held by stages 0 and 2) get the gradients of the layers on later stages, which they never hold."""
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, pipeline_parallel_size=4,
+                                                                           micro_batch_size=2).train()
+    for micro_output in model(**seq2seq_batch()):
+        micro_output.loss.backward()
+    return {name: param.grad for name, param in model.named_parameters(remove_duplicate=False)}
+
+
+def test_tied_embedding_over_three_stages_and_shipped_position_tables(path):
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path).train()
+    reference(**seq2seq_batch()).loss.backward()
+    grads = run_distributed(_tie_and_tables, 4, path)
+    copies = {0: "shared.weight", 2: "decoder.embed_tokens.weight", 3: "lm_head.weight"}
+    for stage, name in copies.items():
+        torch.testing.assert_close(grads[stage][name], reference.shared.weight.grad, msg=lambda m, n=name: f"{n}: {m}")
+    for name in ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                 "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"):
+        holder = 0 if name.startswith("encoder") else 2
+        assert all(name not in grads[stage] for stage in range(4) if stage != holder)
+        torch.testing.assert_close(grads[holder][name], reference.get_parameter(name).grad)
+
+
+def _eos_check(rank, world_size, path, tp, pp):
+    model = oslo.T5ForSequenceClassification.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_labels=3)
+    batch = tokens()
+    batch["input_ids"][2, 3] = EOS  # row 2 now holds two EOS tokens, the others one
+    with pytest.raises(ValueError, match=r"same number of <eos> tokens.*\[1, 1, 2, 1\]"):
+        model(**batch, labels=torch.tensor([0, 1, 2, 0]))
+    del batch["input_ids"]
+    with pytest.raises(NotImplementedError, match="input embeddings"):
+        model(inputs_embeds=torch.zeros(4, 10, 32), **batch)
+    return True
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_rows_with_different_eos_counts_raise_on_every_rank(path, tp, pp):
+    assert run_distributed(_eos_check, tp * pp, path, tp, pp) == [True] * (tp * pp)
+
+
+def _fused_ngram_and_checkpointing(rank, world_size, path):
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path)
+    batch = tokens()
+    common = dict(input_ids=batch["input_ids"][:3], attention_mask=batch["attention_mask"][:3], max_new_tokens=8,
+                  num_beams=3, no_repeat_ngram_size=2, do_sample=False)
+    expected = reference.generate(**common)
+    assert torch.equal(model.generate(**common, fused_no_repeat_ngram_blocking=True), expected)
+
+    # Activation checkpointing recomputes the blocks in the backward pass: the same loss and gradients.
+    model.train()
+    model(**seq2seq_batch()).loss.backward()
+    plain = full_grads(model)
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(**seq2seq_batch()).loss.backward()
+    for name, grad in full_grads(model).items():
+        torch.testing.assert_close(grad, plain[name], msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+def test_fused_ngram_blocking_and_activation_checkpointing(path):
+    assert run_distributed(_fused_ngram_and_checkpointing, 2, path) == [True, True]
+
+
+def _dropout_steps(rank, world_size, path):
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(
+        path, tensor_parallel_size=world_size, dropout_rate=0.3).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(**seq2seq_batch()).loss.backward()
+        optimizer.step()
+    specs = parameter_specs(model)
+    replicated = {name: param.detach() for name, param in model.named_parameters() if specs[name] is None}
+    return replicated, full_params(model)
+
+
+def test_replicated_weights_stay_identical_with_dropout(path):
+    """With dropout on (attention probabilities and feed-forward columns drawn per rank, everything else
+    alike), three AdamW steps at tp=2 leave the replicated weights (layer norms) bit-identical on the ranks."""
+    (first, _), (second, _) = run_distributed(_dropout_steps, 2, path)
+    assert first and sorted(first) == sorted(second)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
+
+
+def _bad_layout(rank, world_size, path, error, fragments, **kwargs):
+    with pytest.raises(error) as info:
+        oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
+    return True
+
+
+def test_heads_not_divisible_and_too_many_stages(path, tmp_path):
+    run_distributed(_bad_layout, 3, path, ValueError, ["tensor_parallel_size=3", "num_heads=4", "[1, 2, 4]"],
+                    tensor_parallel_size=3)
+    run_distributed(_bad_layout, 6, path, ValueError, ["pipeline_parallel_size=6 exceeds the number of layers (5)"],
+                    pipeline_parallel_size=6)
+    save_reference(transformers.BertForMaskedLM, transformers.BertConfig(
+        vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32), tmp_path)
+    with pytest.raises(ValueError, match="holds a 'bert' checkpoint, but T5ForConditionalGeneration is a 't5' model"):
+        oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(str(tmp_path))
