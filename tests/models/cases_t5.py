@@ -66,6 +66,9 @@ def decoder_batch() -> dict:
     return {**tokens(), "decoder_input_ids": decoder_input_ids}
 
 
+EVERY_LAYOUT = ((2, 2),)  # the issue asks every T5 head at tp in {1, 2} x pp in {1, 2}
+
+
 def _seq2seq_objective(out) -> torch.Tensor:
     return out.last_hidden_state.square().mean() + out.encoder_last_hidden_state.square().mean()
 
@@ -73,16 +76,17 @@ def _seq2seq_objective(out) -> torch.Tensor:
 CASES = [
     Case("t5", "T5ForConditionalGeneration", _config(), seq2seq_batch, generate=True, anchor=True,
          extra_layouts=((1, 4), (1, 3))),
-    Case("t5", "T5ForConditionalGeneration", _config(v11=True), seq2seq_batch, generate=True, variant="v1.1"),
-    Case("t5", "T5Model", _config(), decoder_batch, objective=_seq2seq_objective),
+    Case("t5", "T5ForConditionalGeneration", _config(v11=True), seq2seq_batch, generate=True, variant="v1.1",
+         extra_layouts=EVERY_LAYOUT),
+    Case("t5", "T5Model", _config(), decoder_batch, objective=_seq2seq_objective, extra_layouts=EVERY_LAYOUT),
     Case("t5", "T5EncoderModel", _config(v11=True), tokens,
-         objective=lambda out: out.last_hidden_state.square().mean()),
+         objective=lambda out: out.last_hidden_state.square().mean(), extra_layouts=EVERY_LAYOUT),
     Case("t5", "T5ForSequenceClassification", _config(num_labels=3),
-         lambda: {**tokens(), "labels": torch.tensor([0, 2, 1, 2])}),
+         lambda: {**tokens(), "labels": torch.tensor([0, 2, 1, 2])}, extra_layouts=EVERY_LAYOUT),
     Case("t5", "T5ForTokenClassification", _config(num_labels=5),
          lambda: {**tokens(), "labels": torch.randint(0, 5, (4, 10), generator=torch.Generator().manual_seed(2))
-                  .masked_fill(tokens()["attention_mask"] == 0, -100)}),
+                  .masked_fill(tokens()["attention_mask"] == 0, -100)}, extra_layouts=EVERY_LAYOUT),
     Case("t5", "T5ForQuestionAnswering", _config(),
          lambda: {**tokens(), "start_positions": torch.tensor([1, 4, 7, 0]),
-                  "end_positions": torch.tensor([3, 9, 11, 2])}),
+                  "end_positions": torch.tensor([3, 9, 11, 2])}, extra_layouts=EVERY_LAYOUT),
 ]
