@@ -201,6 +201,15 @@ class OsloPreTrainedModel(PreTrainedModel):
                     targets.append(dot + target)
         return families
 
+    def _tie_targets(self) -> set[str]:
+        """Every tie target's full name (see :meth:`_tie_families`), computed once per model: ties are fixed
+        when the model is built."""
+        targets = self.__dict__.get("_tie_targets_cache")
+        if targets is None:
+            targets = {target for members in self._tie_families().values() for target in members}
+            self.__dict__["_tie_targets_cache"] = targets
+        return targets
+
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # Under pipeline parallelism a tie may span stages (GPT2's wte on the first, lm_head on the last;
         # T5's shared embedding, its decoder's copy and lm_head on up to three): the members a stage holds
@@ -788,7 +797,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             return torch.zeros(global_shape)
         # A tie target on another stage than its source (lm_head.weight) starts as the source does.
         # (Only tie targets can be copies: the map walks every parameter, so do not build it for each.)
-        seed_name = self.cross_stage_tied_copies().get(name, name) if name in (self._tied_weights_keys or {}) else name
+        seed_name = self.cross_stage_tied_copies().get(name, name) if name in self._tie_targets() else name
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
 

@@ -197,3 +197,23 @@ def test_heads_not_divisible_and_too_many_stages(path, tmp_path):
         vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32), tmp_path)
     with pytest.raises(ValueError, match="holds a 'bert' checkpoint, but T5ForConditionalGeneration is a 't5' model"):
         oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(str(tmp_path))
+
+
+def _random_init(rank, world_size, name, tp, pp):
+    model = getattr(oslo, name).from_config_with_parallel(tiny_t5_config(num_labels=3), tensor_parallel_size=tp,
+                                                          pipeline_parallel_size=pp, seed=5)
+    return full_params(model), sorted(dict(model.named_parameters(remove_duplicate=False)))
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "T5ForSequenceClassification"])
+def test_random_init_is_the_same_at_every_layout(name):
+    """from_config_with_parallel(seed=...) gives the same weights at (1, 1), (2, 1) and (1, 2); the copies of
+    the tied embedding on later stages (the decoder's, lm_head) start as shared does, nested models too."""
+    (single, _), = run_distributed(_random_init, 1, name, 1, 1)
+    for tp, pp in [(2, 1), (1, 2)]:
+        for params, _ in run_distributed(_random_init, tp * pp, name, tp, pp):
+            for param_name, value in params.items():
+                source = param_name if param_name in single else param_name.replace(
+                    "decoder.embed_tokens", "shared").replace("lm_head", "shared")
+                torch.testing.assert_close(value, single[source], rtol=0, atol=0,
+                                           msg=lambda m, n=param_name, at=(tp, pp): f"{n} at {at}: {m}")
