@@ -1,5 +1,5 @@
 """Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs and
-the architectures the scripts measure (GPT2, GPT-Neo, BERT: :data:`ARCHS`).
+the architectures the scripts measure (GPT2, GPT-Neo, BERT, T5: :data:`ARCHS`).
 
 Imported by the scripts in this folder (``python benchmarks/<name>.py`` puts the folder on
 ``sys.path``). Importing it pins the parent process to one torch thread *before* any torch work, so
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import BertConfig, GPT2Config, GPTNeoConfig, PretrainedConfig
+from transformers import BertConfig, GPT2Config, GPTNeoConfig, PretrainedConfig, T5Config
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
@@ -265,11 +265,31 @@ def bert_config(size: str = "small", n_layer: int | None = None, dropout: float 
     return BertConfig(**values)
 
 
+def t5_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0, **overrides) -> T5Config:
+    """A T5 config of the published t5 v1.0 shapes (``small``: t5-small, d_model 512, d_ff 2048, 6 + 6
+    layers, 8 heads; ``large``: t5-large, d_model 1024, d_ff 4096, 24 + 24 layers, 16 heads; d_kv 64,
+    vocab 32128, dense-relu feed-forward, 32 relative position buckets up to distance 128, embeddings
+    tied to the LM head); ``n_layer`` sets the encoder's and the decoder's layer count alike."""
+    d_model, d_ff, layers, heads = {"small": (512, 2048, 6, 8), "large": (1024, 4096, 24, 16)}[_size(size)]
+    values = {
+        "vocab_size": 32128, "d_model": d_model, "d_kv": 64, "d_ff": d_ff, "num_layers": n_layer or layers,
+        "num_decoder_layers": n_layer or layers, "num_heads": heads, "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128, "dropout_rate": dropout, "feed_forward_proj": "relu",
+        "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
+    }
+    values.update(overrides)
+    return T5Config(**values)
+
+
 def _size(size: str) -> str:
     return {"small": "small", "medium": "large", "large": "large"}[size]
 
 
 def describe(config: PretrainedConfig) -> str:
+    if config.model_type == "t5":
+        return (f"d_model={config.d_model} d_ff={config.d_ff} layers={config.num_layers}+"
+                f"{config.num_decoder_layers} heads={config.num_heads} d_kv={config.d_kv} vocab={config.vocab_size} "
+                f"feed_forward={config.feed_forward_proj} buckets={config.relative_attention_num_buckets}")
     if config.model_type == "gpt2":
         return (f"n_embd={config.n_embd} n_layer={config.n_layer} n_head={config.n_head} "
                 f"vocab={config.vocab_size} n_positions={config.n_positions}")
@@ -298,10 +318,16 @@ class Arch:
     lm_class: str  # the language model a training step runs (with labels)
     causal_class: str | None  # the class that generates (None: not measured)
     make_config: Callable[..., PretrainedConfig]
-    block_prefix: str  # the blocks are "<block_prefix>.<i>"
+    block_prefix: str  # the blocks are "<block_prefix>.<i>" (an encoder-decoder: the encoder's)
     embedding_prefix: str  # the vocabulary-parallel word embedding
     head_prefix: str  # the vocabulary projection and what runs before it in the head
     masked: bool  # masked-LM labels (15 % of positions, -100 elsewhere) instead of the inputs
+    decoder_block_prefix: str | None = None  # encoder-decoder: the decoder's blocks (block_prefix: the encoder's)
+
+    @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder: its training call takes target ids as ``labels`` besides ``input_ids``."""
+        return self.decoder_block_prefix is not None
 
     def config(self, size: str = "small", n_layer: int | None = None, dropout: float = 0.0,
                **overrides) -> PretrainedConfig:
@@ -332,6 +358,19 @@ class Arch:
         chosen[..., 0] = True  # at least one labelled position per row
         return torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
 
+    def batch(self, input_ids: torch.Tensor, generator: torch.Generator | None = None,
+              target_length: int | None = None) -> dict[str, torch.Tensor]:
+        """The keyword arguments of a training call besides ``input_ids``: ``{"labels": ...}``. For a
+        decoder-only or encoder model :meth:`labels` (drawing from ``generator`` exactly as it does); for an
+        encoder-decoder, target ids of ``target_length`` positions (default: as many as the inputs), each a
+        token of its row's input drawn with ``generator`` (so within the vocabulary, no -100); the model
+        reads them shifted right as the decoder's input."""
+        if not self.seq2seq:
+            return {"labels": self.labels(input_ids, generator)}
+        batch, length = input_ids.shape
+        picks = torch.randint(0, length, (batch, target_length or length), generator=generator)
+        return {"labels": input_ids.gather(1, picks)}
+
 
 ARCHS: dict[str, Arch] = {
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", "GPT2LMHeadModel", gpt2_config, "transformer.h", "transformer.wte",
@@ -340,6 +379,8 @@ ARCHS: dict[str, Arch] = {
                     "transformer.wte", "lm_head", masked=False),
     "bert": Arch("bert", "BertForMaskedLM", "BertLMHeadModel", bert_config, "bert.encoder.layer",
                  "bert.embeddings.word_embeddings", "cls", masked=True),
+    "t5": Arch("t5", "T5ForConditionalGeneration", "T5ForConditionalGeneration", t5_config, "encoder.block",
+               "shared", "lm_head", masked=False, decoder_block_prefix="decoder.block"),
 }
 
 

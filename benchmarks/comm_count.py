@@ -5,7 +5,19 @@ block exactly 2 all-reduces forward and 2 backward (the Megatron minimum), plus 
 and at most 3 small (batch x seq sized) for the loss; nothing else. Counted by wrapping
 ``torch.distributed``, printed with bytes. Architectures (``--arch``): GPT2 (``GPT2LMHeadModel``),
 GPT-Neo (``GPTNeoForCausalLM``, layers alternating global / local attention), BERT
-(``BertForMaskedLM`` with masked-LM labels: 15 % of the positions, -100 elsewhere).
+(``BertForMaskedLM`` with masked-LM labels: 15 % of the positions, -100 elsewhere), T5
+(``T5ForConditionalGeneration``, t5 v1.0: labels are target ids, ``--target-seq`` per row, default
+half of ``--seq``, so that the encoder's and the decoder's calls differ in size).
+
+T5's claim (issue 11): exactly 2 all-reduces forward and 2 backward per encoder block, 3 and 3 per
+decoder block (self-attention, cross-attention, feed-forward); the encoder's output enters the
+decoder's tensor-parallel region once per pipeline stage, which costs 1 backward all-reduce of
+``batch x seq x d_model`` (its gradient summed over the ranks once, not once per cross-attention),
+counted in its own region, "encoder output"; the one tied embedding runs twice forward (1 all-reduce
+for the encoder's input, 1 for the decoder's); the loss and the LM head as for the others. The
+encoder output's call is told from the block that ran last by a tensor hook on the copy that the
+decoder blocks receive (``encoder_hidden_states``): it runs when the gradient summed over every
+cross-attention reaches the copy, just before the copy's backward all-reduce.
 
 How it counts, on every rank:
 
@@ -26,8 +38,9 @@ group (``oslo.parallel.agreement.check_same_inputs``): one all-gather of three i
 digests and the verdict of the id range check), counted as "input check".
 
 Run: ``python benchmarks/comm_count.py`` (every architecture, tp 2 and 4, 2 layers of gpt2 /
-gpt-neo-125M / bert-base width); options: ``--arch gpt2|gpt_neo|bert|all --tp 2 4 --n-layer 2
---batch 2 --seq 64 --size small|large`` (``large``: gpt2-medium, gpt-neo-1.3B, bert-large widths).
+gpt-neo-125M / bert-base / t5-small width, T5: 2 + 2 layers); options: ``--arch gpt2|gpt_neo|bert|t5|all
+--tp 2 4 --n-layer 2 --batch 2 --seq 64 --target-seq 32 --size small|large`` (``large``: gpt2-medium,
+gpt-neo-1.3B, bert-large, t5-large widths).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import inspect
 import re
 import sys
 import traceback
@@ -54,6 +68,9 @@ COLLECTIVES = (
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list", "monitored_barrier",
 )
+
+
+ENCODER_OUTPUT = "<encoder output>"  # the backward "module" of the decoder's copy of the encoder output
 
 
 def _tensor_bytes(value) -> int:
@@ -112,6 +129,7 @@ class CommCounter:
         self.backward_module = "?"
         self._depth = 0
         self._originals: dict[str, object] = {}
+        self._encoder_outputs: list[torch.Tensor] = []  # the decoder's copies of the encoder output, hooked
 
     # -- wrapping ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -152,10 +170,24 @@ class CommCounter:
         return wrapper
 
     # -- module attribution -----------------------------------------------------------------
-    def attach(self, model: torch.nn.Module) -> None:
+    def attach(self, model: torch.nn.Module, arch: bench.Arch | None = None) -> None:
         for name, module in model.named_modules():
             module.register_forward_pre_hook(functools.partial(self._enter, name))
             module.register_forward_hook(functools.partial(self._leave, name))
+            if arch is not None and arch.seq2seq and re.fullmatch(re.escape(arch.decoder_block_prefix) + r"\.\d+",
+                                                                   name):
+                module.register_forward_pre_hook(self._decoder_block_inputs, with_kwargs=True)
+
+    def _decoder_block_inputs(self, module, args, kwargs) -> None:
+        """An encoder-decoder's decoder block gets the encoder's output as the model copied it into the
+        tensor-parallel region (once per stage, for all of the stage's blocks). A hook on that tensor runs
+        when its gradient, summed over the blocks' cross-attentions, reaches the copy, just before the copy's
+        backward all-reduce: that call is the encoder output's, not the block's that ran last."""
+        states = inspect.signature(module.forward).bind(*args, **kwargs).arguments.get("encoder_hidden_states")
+        if (isinstance(states, torch.Tensor) and states.requires_grad and self.phase == "forward"
+                and not any(states is seen for seen in self._encoder_outputs)):
+            self._encoder_outputs.append(states)
+            states.register_hook(functools.partial(self._grad_arrived, ENCODER_OUTPUT))
 
     def _enter(self, name, module, args):
         self.module_stack.append(name)
@@ -188,9 +220,12 @@ class C10dOpCounter(TorchDispatchMode):
 def _region(module: str, caller: str, arch: bench.Arch) -> str:
     if "agreement.py" in caller:
         return "input check"
-    match = re.match(re.escape(arch.block_prefix) + r"\.(\d+)(?:\.|$)", module)
-    if match:
-        return f"block {match.group(1)}"
+    if module == ENCODER_OUTPUT:
+        return "encoder output"
+    for prefix, label in _block_labels(arch):
+        match = re.match(re.escape(prefix) + r"\.(\d+)(?:\.|$)", module)
+        if match:
+            return f"{label}{match.group(1)}"
     if module.startswith(arch.embedding_prefix):
         return "embedding"
     if "loss.py" in caller:
@@ -202,12 +237,21 @@ def _region(module: str, caller: str, arch: bench.Arch) -> str:
     return f"other ({module} {caller})"
 
 
-def _step(model, input_ids, labels, counter: CommCounter, gather_logits: bool) -> tuple[dict, float]:
+def _block_labels(arch: bench.Arch) -> list[tuple[str, str]]:
+    """(module prefix, region label before the block's index): "block " for one stack; "enc block " and
+    "dec block " for an encoder-decoder."""
+    if not arch.seq2seq:
+        return [(arch.block_prefix, "block ")]
+    return [(arch.block_prefix, "enc block "), (arch.decoder_block_prefix, "dec block ")]
+
+
+def _step(model, input_ids, batch: dict, counter: CommCounter, gather_logits: bool) -> tuple[dict, float]:
     model.zero_grad(set_to_none=True)
+    counter._encoder_outputs = []
     mode = C10dOpCounter()
     with mode:
         counter.phase = "forward"
-        out = model(input_ids, labels=labels, **({"gather_logits": True} if gather_logits else {}))
+        out = model(input_ids, **batch, **({"gather_logits": True} if gather_logits else {}))
         forward_ops = sum(mode.ops.values())
         counter.phase = "backward"
         out.loss.backward()
@@ -216,24 +260,24 @@ def _step(model, input_ids, labels, counter: CommCounter, gather_logits: bool) -
     return c10d, out.loss.item()
 
 
-def rank_main(rank: int, world_size: int, arch_name: str, config, batch: int, seq: int) -> dict:
+def rank_main(rank: int, world_size: int, arch_name: str, config, batch: int, seq: int, target_seq: int) -> dict:
     arch = bench.ARCHS[arch_name]
     model = arch.oslo_class().from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
     model.train()
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-    labels = arch.labels(input_ids, generator)
+    call = arch.batch(input_ids, generator, target_seq)
     counter = CommCounter()
-    counter.attach(model)
+    counter.attach(model, arch)
     counter.install()
     try:
         # Warm-up step (not recorded) so lazy initializations cannot pollute the count.
-        out = model(input_ids, labels=labels)
+        out = model(input_ids, **call)
         out.loss.backward()
         runs = {}
         for gather_logits in (False, True):
             counter.records = []
-            c10d, loss = _step(model, input_ids, labels, counter, gather_logits)
+            c10d, loss = _step(model, input_ids, call, counter, gather_logits)
             runs[gather_logits] = {"records": counter.records, "c10d": c10d, "loss": loss}
     finally:
         counter.uninstall()
@@ -248,7 +292,17 @@ def _summarize(records: list[dict], arch: bench.Arch) -> dict:
     return table
 
 
-def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch: int, seq: int) -> tuple[bool, dict]:
+def _stacks(arch: bench.Arch, config) -> list[tuple[str, str, int, int]]:
+    """(region label, words, blocks, all-reduces per block each way) of each stack: 2 per block of one
+    stack (attention and MLP); an encoder-decoder's decoder block has 3 (its cross-attention too)."""
+    if not arch.seq2seq:
+        return [("block ", "block", config.num_hidden_layers, 2)]
+    return [("enc block ", "encoder block", config.num_layers, 2),
+            ("dec block ", "decoder block", config.num_decoder_layers, 3)]
+
+
+def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch: int, seq: int,
+            target_seq: int) -> tuple[bool, dict]:
     runs = runs_per_rank[0]
     same = all(
         [(r["op"], r["bytes"], r["phase"], r["module"]) for r in other[g]["records"]]
@@ -257,8 +311,9 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
     )
     records = runs[False]["records"]
     table = _summarize(records, arch)
-    tokens = batch * seq
-    print(f"\n-- {arch.name}, tp={tp}: {describe_run(arch, config, batch, seq)}; loss {runs[False]['loss']:.4f}; "
+    tokens = batch * (target_seq if arch.seq2seq else seq)  # the positions the loss predicts
+    print(f"\n-- {arch.name}, tp={tp}: {describe_run(arch, config, batch, seq, target_seq)}; "
+          f"loss {runs[False]['loss']:.4f}; "
           f"all ranks recorded identical calls: {same}")
     print(f"   {'region':<14} {'phase':<9} {'calls':>5}  {'op':<16} {'bytes/call (this rank)':>24}  "
           f"{'shape':<14} where")
@@ -269,19 +324,39 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
                   f"{shape:<14} {caller}")
 
     checks = []
-    layers = config.num_hidden_layers
-    blocks = range(layers)
-    for phase in ("forward", "backward"):
-        counts = [len(table.get((f"block {i}", phase), [])) for i in blocks]
-        ops = {r["op"] for i in blocks for r in table.get((f"block {i}", phase), [])}
-        ok = all(c == 2 for c in counts) and ops <= {"all_reduce"}
-        text = f"per block {phase}: {counts} calls, ops {sorted(ops)} (target exactly 2 all_reduce)"
-        checks.append((text, ok))
+    stacks = _stacks(arch, config)
+    per_block = {}
+    for label, words, layers, target in stacks:
+        blocks = range(layers)
+        per_block[label] = {}
+        for phase in ("forward", "backward"):
+            counts = [len(table.get((f"{label}{i}", phase), [])) for i in blocks]
+            per_block[label][phase] = counts
+            ops = {r["op"] for i in blocks for r in table.get((f"{label}{i}", phase), [])}
+            ok = all(c == target for c in counts) and ops <= {"all_reduce"}
+            text = f"per {words} {phase}: {counts} calls, ops {sorted(ops)} (target exactly {target} all_reduce)"
+            checks.append((text, ok))
+    # An encoder-decoder embeds twice with the one (tied) vocabulary-parallel embedding: the encoder's input
+    # and the decoder's (the labels shifted right).
+    embeddings = 2 if arch.seq2seq else 1
     embed_fwd = table.get(("embedding", "forward"), [])
     embed_bwd = table.get(("embedding", "backward"), [])
-    embed_ok = len(embed_fwd) == 1 and embed_fwd[0]["op"] == "all_reduce" and not embed_bwd
-    embed_text = f"embedding: {len(embed_fwd)} forward + {len(embed_bwd)} backward (target 1 all_reduce + 0)"
+    embed_ok = (len(embed_fwd) == embeddings and all(r["op"] == "all_reduce" for r in embed_fwd)
+                and not embed_bwd)
+    embed_text = (f"embedding: {len(embed_fwd)} forward + {len(embed_bwd)} backward (target {embeddings} "
+                  "all_reduce + 0" + (": the encoder's input and the decoder's)" if arch.seq2seq else ")"))
     checks.append((embed_text, embed_ok))
+    if arch.seq2seq:
+        copy_fwd = table.get(("encoder output", "forward"), [])
+        copy_bwd = table.get(("encoder output", "backward"), [])
+        expected = batch * seq * config.d_model * 4
+        copy_ok = (not copy_fwd and len(copy_bwd) == 1 and copy_bwd[0]["op"] == "all_reduce"
+                   and copy_bwd[0]["bytes"] == expected)
+        sizes = ", ".join(f"{r['bytes']:,d}" for r in copy_bwd) or "-"
+        checks.append((f"encoder output (copied into the decoder's tensor-parallel region once per stage): "
+                       f"{len(copy_fwd)} forward + {len(copy_bwd)} backward, {sizes} bytes/rank "
+                       f"(target 0 + 1 all_reduce of batch x seq x d_model fp32 = {expected:,d}; not one per "
+                       "cross-attention)", copy_ok))
     head_fwd = table.get(("lm head", "forward"), [])
     head_bwd = table.get(("lm head", "backward"), [])
     head_ok = not head_fwd and len(head_bwd) <= 1 and all(r["op"] == "all_reduce" for r in head_bwd)
@@ -292,8 +367,9 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
     checks.append((head_text, head_ok))
     loss = table.get(("loss", "forward"), []) + table.get(("loss", "backward"), [])
     largest = max((r["numel"] for r in loss), default=0)
-    loss_text = (f"loss: {len(loss)} calls, largest {largest} elements = {largest / tokens:.1f} x batch*seq "
-                 "(target <= 3 calls, each <= 3 x batch*seq)")
+    positions = "batch*target_seq" if arch.seq2seq else "batch*seq"
+    loss_text = (f"loss: {len(loss)} calls, largest {largest} elements = {largest / tokens:.1f} x {positions} "
+                 f"(target <= 3 calls, each <= 3 x {positions})")
     checks.append((loss_text, len(loss) <= 3 and largest <= 3 * tokens))
     check = table.get(("input check", "forward"), []) + table.get(("input check", "backward"), [])
     check_ok = len(check) == 1 and check[0]["op"] == "all_gather" and check[0]["phase"] == "forward" \
@@ -301,7 +377,8 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
     checks.append((f"input check: {len(check)} call(s), "
                    + ", ".join(f"{r['phase']} {r['op']} {r['bytes']} bytes/rank" for r in check)
                    + " (target 1 forward all_gather of 3 int64: two digests and the range verdict)", check_ok))
-    known = {"embedding", "loss", "lm head", "input check"} | {f"block {i}" for i in blocks}
+    known = {"embedding", "loss", "lm head", "input check", "encoder output"}
+    known |= {f"{label}{i}" for label, _, layers, _ in stacks for i in range(layers)}
     other = [r for (region, _), recs in table.items() if region not in known for r in recs]
     checks.append((f"anything else: {len(other)} calls (target 0)", not other))
     python_counts = {p: sum(1 for r in records if r["phase"] == p) for p in ("forward", "backward")}
@@ -310,15 +387,19 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
                    c10d == python_counts))
     checks.append(("every rank made the same calls", same))
 
-    claimed_fwd = 2 * layers + 1 + 3 + 1
-    claimed_bwd = 2 * layers
+    blocks_bound = sum(target * layers for _, _, layers, target in stacks)
+    blocks_text = " + ".join(f"{target} x {layers} {words}s" for _, words, layers, target in stacks)
+    claimed_fwd = blocks_bound + embeddings + 3 + 1
+    claimed_bwd = blocks_bound + (1 if arch.seq2seq else 0)
     total_bytes = sum(r["bytes"] for r in records)
     print(f"   totals: forward {python_counts['forward']} calls, backward {python_counts['backward']} calls, "
           f"{total_bytes:,d} bytes contributed by this rank "
           f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
-    print(f"   ratio forward calls / issue's bound (2 x {layers} blocks + 1 embedding + 3 loss, + 1 "
+    embed_words = "2 embeddings" if arch.seq2seq else "1 embedding"
+    print(f"   ratio forward calls / issue's bound ({blocks_text} + {embed_words} + 3 loss, + 1 "
           f"input check = {claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
-    print(f"   ratio backward calls / issue's bound (2 x {layers} blocks = {claimed_bwd}): "
+    copy_words = " + 1 encoder output" if arch.seq2seq else ""
+    print(f"   ratio backward calls / issue's bound ({blocks_text}{copy_words} = {claimed_bwd}): "
           f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
           f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
 
@@ -335,23 +416,26 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
                    extra_ok))
     for text, ok in checks:
         print(f"   [{bench.verdict(ok)}] {text}")
-    per_block = {p: [len(table.get((f"block {i}", p), [])) for i in blocks] for p in ("forward", "backward")}
     summary = {"per_block": per_block, "forward": python_counts["forward"], "backward": python_counts["backward"],
                "regions": {f"{region} {phase}": len(recs) for (region, phase), recs in table.items()
-                           if not region.startswith("block ")},
+                           if not re.match(r"(?:enc |dec )?block \d", region)},
                "gather_extra": len(gathered) - len(records)}
     return all(ok for _, ok in checks), summary
 
 
-def describe_run(arch: bench.Arch, config, batch: int, seq: int) -> str:
-    labels = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
+def describe_run(arch: bench.Arch, config, batch: int, seq: int, target_seq: int) -> str:
+    if arch.seq2seq:
+        labels = f"labels = {target_seq} target ids per row (the decoder reads them shifted right)"
+    else:
+        labels = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
     return f"{arch.lm_class} {bench.describe(config)}, batch {batch} x seq {seq}, {labels}, training mode"
 
 
 def _order(key: tuple[str, str]) -> tuple:
     region, phase = key
-    match = re.match(r"block (\d+)", region)
-    rank = (0, 0) if region == "embedding" else (1, int(match.group(1))) if match else (2, 0)
+    match = re.match(r"(enc |dec )?block (\d+)", region)
+    stack = {None: 0, "enc ": 0, "dec ": 1}[match.group(1)] if match else 0
+    rank = (0, 0) if region == "embedding" else (1, stack, int(match.group(2))) if match else (2, 0)
     return rank, phase != "forward"
 
 
@@ -363,7 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--target-seq", type=int, default=None,
+                        help="t5: target ids per row (default --seq / 2, so the decoder's calls differ in size)")
     args = parser.parse_args(argv)
+    target_seq = args.target_seq or max(1, args.seq // 2)
     names = bench.arch_names(args.arch)
     bench.header("comm_count: collectives per forward + backward of "
                  + ", ".join(bench.ARCHS[n].lm_class for n in names) + " (a training call with labels)")
@@ -373,15 +460,18 @@ def main(argv: list[str] | None = None) -> int:
         arch = bench.ARCHS[name]
         config = arch.config(args.size, n_layer=args.n_layer, dropout=0.1)
         for tp in args.tp:
-            runs = bench.launch(rank_main, tp, name, config, args.batch, args.seq)
-            arch_ok, summary = _report(arch, tp, runs, config, args.batch, args.seq)
+            runs = bench.launch(rank_main, tp, name, config, args.batch, args.seq, target_seq)
+            arch_ok, summary = _report(arch, tp, runs, config, args.batch, args.seq, target_seq)
             ok &= arch_ok
             summaries.append((name, tp, arch_ok, summary))
     print("\nsummary (calls of one training step; per block: forward / backward of each block):")
     for name, tp, arch_ok, summary in summaries:
-        blocks = sorted(set(zip(summary["per_block"]["forward"], summary["per_block"]["backward"], strict=True)))
+        stacks = []
+        for label, counts in summary["per_block"].items():
+            blocks = sorted(set(zip(counts["forward"], counts["backward"], strict=True)))
+            stacks.append(f"per {label}{' / '.join(f'{f}+{b}' for f, b in blocks)}")
         others = ", ".join(f"{k} {v}" for k, v in sorted(summary["regions"].items()))
-        print(f"   {name:<8} tp={tp}: per block {' / '.join(f'{f}+{b}' for f, b in blocks)}; "
+        print(f"   {name:<8} tp={tp}: {', '.join(stacks)}; "
               f"total {summary['forward']} forward + {summary['backward']} backward; {others}; "
               f"gather_logits=True adds {summary['gather_extra']}  [{bench.verdict(arch_ok)}]")
     print(f"\ncomm_count overall: {bench.verdict(ok)}")

@@ -1,4 +1,4 @@
-"""Memory of tensor-parallel models: parameter bytes per rank (GPT2, GPT-Neo, BERT), and peak RSS while loading.
+"""Memory of tensor-parallel models: parameter bytes per rank (GPT2, GPT-Neo, BERT, T5), and peak RSS while loading.
 
 Claims (issue 2, "Benchmarks / Memory"; (a) for every architecture, (b) for GPT2):
 
@@ -10,13 +10,18 @@ Claims (issue 2, "Benchmarks / Memory"; (a) for every architecture, (b) for GPT2
     * GPT-Neo (``GPTNeoForCausalLM``), gpt-neo-1.3B: hidden 2048, 24 layers (global / local
       attention alternating), 16 heads, vocab 50257, 2048 positions;
     * BERT (``BertForMaskedLM``), bert-large: hidden 1024, 24 layers, 16 heads, MLP 4096, vocab
-      30522, 512 positions, 2 token types.
+      30522, 512 positions, 2 token types;
+    * T5 (``T5ForConditionalGeneration``), t5-large (v1.0): d_model 1024, d_ff 4096 (dense-relu), 24
+      encoder + 24 decoder layers, 16 heads, d_kv 64, vocab 32128, 32 relative position buckets;
+      ``shared``, both stacks' ``embed_tokens`` and ``lm_head`` one tied weight.
 
     The ranks build the model with ``from_config_with_parallel`` (real gloo ranks, real allocation);
     the total is transformers' own model of the same class built on the meta device (tied weights
     once). What exceeds 1.0 is the replicated part (position / token-type embeddings, LayerNorms,
-    row-parallel biases, BERT's pooler and MLM transform) and the vocabulary padding. The
-    architectures run one after another (gpt-neo-1.3B is 5.3 GB of float32: 2.6 GB per rank at tp=2).
+    row-parallel biases, BERT's pooler and MLM transform; T5: only its RMS norms, 122 x d_model,
+    since its linear layers have no bias and its relative position tables are split by heads) and the
+    vocabulary padding (none for T5: 32128 divides by 2 and 4). The architectures run one after
+    another (gpt-neo-1.3B is 5.3 GB of float32: 2.6 GB per rank at tp=2; t5-large 2.9 GB).
 
 (b) GPT2 only (``--arch`` does not apply): peak RSS per rank while loading a merged
     gpt2-medium-shaped safetensors checkpoint at tp=4 is at most 1.5 x that rank's shard bytes above
@@ -27,8 +32,8 @@ Claims (issue 2, "Benchmarks / Memory"; (a) for every architecture, (b) for GPT2
     pages) separately, since file pages of the mmap'ed safetensors file count in RSS although the
     kernel can drop them at any time.
 
-Run: ``python benchmarks/memory.py``; options: ``--part a|b``, ``--arch gpt2|gpt_neo|bert|all`` (part
-(a); default all), ``--tp-load 4``, ``--n-layer 24``,
+Run: ``python benchmarks/memory.py``; options: ``--part a|b``, ``--arch gpt2|gpt_neo|bert|t5|all`` (part
+(a); default all), ``--tp-load 4``, ``--n-layer 24`` (T5: per stack),
 ``--trace`` (per-tensor RSS during the load, to see where memory goes), ``--meta`` (part (a) from
 meta-device construction in real ranks instead of allocating).
 """
@@ -53,7 +58,8 @@ from oslo import checkpoint as oslo_checkpoint
 
 TARGETS = {2: 1.01, 4: 1.03}
 RSS_TARGET = 1.5
-SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large"}  # gpt2-medium, gpt-neo-1.3B, bert-large
+# gpt2-medium, gpt-neo-1.3B, bert-large, t5-large
+SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large", "t5": "large"}
 
 
 # ---------------------------------------------------------------------------------------------

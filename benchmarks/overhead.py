@@ -1,6 +1,6 @@
-"""Overhead of oslo's models at tensor_parallel_size=1 against transformers', same weights (GPT2, GPT-Neo, BERT).
+"""Overhead of oslo's models at tensor_parallel_size=1 against transformers', same weights (GPT2, GPT-Neo, BERT, T5).
 
-Claim (issue 2, "Benchmarks / Overhead", for GPT2; the same claim for GPT-Neo and BERT): oslo at
+Claim (issue 2, "Benchmarks / Overhead", for GPT2; the same claim for GPT-Neo, BERT and T5): oslo at
 tp=1 vs transformers (same weights, same process, interleaved runs, median of >= 5): training-step
 (forward+backward) time ratio <= 1.05, and ``generate()`` tokens/s ratio >= 0.95, per architecture.
 
@@ -8,9 +8,14 @@ Architectures (``--arch``; default all, one after another), each at the width of
 shape with ``--n-layer`` blocks: GPT2 (gpt2: ``GPT2LMHeadModel`` trains and generates), GPT-Neo
 (gpt-neo-125M, layers alternating global / local attention, window 256: ``GPTNeoForCausalLM`` trains
 and generates), BERT (bert-base: ``BertForMaskedLM`` trains with masked-LM labels, 15 % of the
-positions, -100 elsewhere; ``BertLMHeadModel`` with ``is_decoder=True`` generates). At the default
-lengths (at most 128 tokens) GPT-Neo's local layers build and apply their window mask, but the window
-(256) covers every key, as it does for any sequence up to 256 tokens.
+positions, -100 elsewhere; ``BertLMHeadModel`` with ``is_decoder=True`` generates), T5 (t5-small
+width, t5 v1.0 dense-relu, ``--n-layer`` encoder blocks and as many decoder blocks:
+``T5ForConditionalGeneration`` trains on target ids as labels, as many per row as the input has,
+which the decoder reads shifted right, and generates: the encoder reads the prompt once, then the
+decoder emits the new tokens after its start token, caching its self-attention and keeping the
+cross-attention's keys and values). At the default lengths (at most 128 tokens) GPT-Neo's local
+layers build and apply their window mask, but the window (256) covers every key, as it does for any
+sequence up to 256 tokens.
 
 Both implementations live in this one process with one torch thread. For each class timed,
 transformers' model is built with a fixed seed and saved; oslo loads that checkpoint with
@@ -19,11 +24,12 @@ they agree (eval mode: loss and logits of the training class, greedy tokens of t
 class). Timed:
 
 * training step: ``model(input_ids, labels=labels).loss.backward()`` in training mode (dropout 0.1
-  as in the published configs), labels the inputs (causal LMs, shifted by the model) or masked-LM
-  labels (BERT); gradients are cleared outside the timed region;
+  as in the published configs), labels the inputs (causal LMs, shifted by the model), masked-LM
+  labels (BERT) or target ids (T5: each a token of its row's input, drawn at random); gradients are
+  cleared outside the timed region;
 * generation: greedy ``generate`` of exactly ``--new-tokens`` tokens (``min_new_tokens`` equal to
-  ``max_new_tokens``), KV cache on, eval mode; the prompt avoids the pad token (BERT's is 0, which
-  ``generate`` would otherwise mask out).
+  ``max_new_tokens``), KV cache on, eval mode; the prompt avoids the pad token (BERT's and T5's is 0,
+  which ``generate`` would otherwise mask out).
 
 Runs rotate through every order of three models: transformers, a second transformers copy of the
 same weights (an A/A control whose ratio shows the noise floor), and oslo, so drift in machine load
@@ -31,7 +37,7 @@ hits all three. Verdicts use the median CPU time of the process (one torch threa
 processes on the machine inflate far less than wall time; wall-time ratios are printed too. The
 summary prints one line per architecture.
 
-Run: ``python benchmarks/overhead.py``; options: ``--arch gpt2|gpt_neo|bert|all --n-layer 4 --batch 2
+Run: ``python benchmarks/overhead.py``; options: ``--arch gpt2|gpt_neo|bert|t5|all --n-layer 4 --batch 2
 --seq 128 --repeats 6 --prompt 32 --new-tokens 64 --gen-batch 1``.
 """
 
@@ -67,12 +73,12 @@ def build(arch: bench.Arch, config, directory: str, causal: bool = False):
 
 
 @torch.no_grad()
-def check_outputs(reference, model, input_ids, labels) -> list[str]:
-    """Eval-mode loss and logits of the training class."""
+def check_outputs(reference, model, input_ids, batch: dict) -> list[str]:
+    """Eval-mode loss and logits of the training class (``batch``: the labels, see ``Arch.batch``)."""
     reference.eval()
     model.eval()
-    ours = model(input_ids, labels=labels)
-    theirs = reference(input_ids, labels=labels)
+    ours = model(input_ids, **batch)
+    theirs = reference(input_ids, **batch)
     problems = []
     if ours.logits.shape != theirs.logits.shape:
         problems.append(f"logits shapes differ ({tuple(ours.logits.shape)} vs {tuple(theirs.logits.shape)})")
@@ -101,9 +107,9 @@ def clocked(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def train_step(model, input_ids, labels) -> tuple[float, float]:
+def train_step(model, input_ids, batch: dict) -> tuple[float, float]:
     model.zero_grad(set_to_none=True)
-    return clocked(lambda: model(input_ids, labels=labels).loss.backward())
+    return clocked(lambda: model(input_ids, **batch).loss.backward())
 
 
 def generate_time(model, prompt, new_tokens: int) -> tuple[float, float]:
@@ -168,23 +174,26 @@ def measure(arch: bench.Arch, args) -> dict:
         shutil.rmtree(directory, ignore_errors=True)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
-    labels = arch.labels(input_ids, generator)
+    batch = arch.batch(input_ids, generator)  # {"labels": ...}
     prompt = torch.randint(0, config.vocab_size, (args.gen_batch, args.prompt), generator=generator)
     pad = config.pad_token_id
     if pad is not None:  # generate() would mask the pad token out of the prompt (BERT's is 0)
         prompt[prompt == pad] = (pad + 1) % config.vocab_size
 
-    problems = check_outputs(reference, model, input_ids, labels)
+    problems = check_outputs(reference, model, input_ids, batch)
     problems += check_tokens(gen_models[0], gen_models[2], prompt, args.new_tokens)
     checked = f"eval loss and logits of {arch.lm_class}, greedy tokens of {arch.causal_class}"
     print(f"   agreement before timing ({checked}): {'same' if not problems else '; '.join(problems)}")
 
     for m in (reference, control, model):
         m.train()
-    runs = interleaved({"transformers": lambda: train_step(reference, input_ids, labels),
-                        "transformers copy": lambda: train_step(control, input_ids, labels),
-                        "oslo tp=1": lambda: train_step(model, input_ids, labels)}, args.repeats)
-    what = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
+    runs = interleaved({"transformers": lambda: train_step(reference, input_ids, batch),
+                        "transformers copy": lambda: train_step(control, input_ids, batch),
+                        "oslo tp=1": lambda: train_step(model, input_ids, batch)}, args.repeats)
+    if arch.seq2seq:
+        what = f"labels = {batch['labels'].shape[1]} target ids per row"
+    else:
+        what = "masked-LM labels (15 % of positions)" if arch.masked else "labels = inputs"
     print(f"\n   {arch.lm_class} forward+backward, batch {args.batch} x seq {args.seq}, {what}, "
           f"training mode, {args.repeats} runs each:")
     for name, values in runs.items():
