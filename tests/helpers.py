@@ -62,3 +62,20 @@ def assert_same_grads(reference, model, **tolerances) -> None:
     assert set(ours) == set(theirs), (sorted(set(ours) ^ set(theirs)))
     for name, grad in ours.items():
         torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}", **tolerances)
+
+
+class CountAllReduces:
+    """Counts ``torch.distributed.all_reduce`` calls while entered (the tensor-parallel mappings call it)."""
+
+    def __enter__(self):
+        self.count, self.original = 0, dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.original

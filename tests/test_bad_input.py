@@ -315,3 +315,14 @@ def _layout_cost(rank, world_size, seeds):
 def test_the_layout_check_is_one_small_all_gather():
     """Data-parallel replicas may take different seeds (only a model-parallel group shares one)."""
     assert run_distributed(_layout_cost, 2, [1, 2], timeout=40) == [[(torch.int64, (5,))]] * 2
+
+
+def test_split_sizes_name_the_attribute_the_value_and_the_sizes_that_work():
+    from oslo.models.base import check_split_sizes
+
+    with pytest.raises(ValueError, match=r"does not divide the number of attention heads \(num_heads=6\).*"
+                                         r"Use one of \[1, 2, 3, 6\]"):
+        check_split_sizes(4, ("num_heads", 6), ("d_ff", 64))
+    with pytest.raises(ValueError, match=r"does not divide the MLP size \(d_ff=30\).*both num_heads=4 and d_ff=30"):
+        check_split_sizes(4, ("num_heads", 4), ("d_ff", 30))
+    check_split_sizes(2, ("num_heads", 4), ("d_ff", 30))

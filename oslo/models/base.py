@@ -106,6 +106,28 @@ def logits_not_gathered(output_class: type) -> type:
     return type(output_class.__name__, (_LogitsNotGathered, output_class), {"__module__": output_class.__module__})
 
 
+def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tuple[str, int]) -> None:
+    """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the attention heads (each rank holds
+    whole heads) and the MLP's inner size, naming the config attribute, its value and the sizes that work.
+
+    Args:
+        heads: ``(config attribute, value)`` of the head count, e.g. ``("n_head", 12)``.
+        mlp: ``(config attribute, value)`` of the MLP's inner size, e.g. ``("d_ff", 2048)``.
+    """
+    (heads_name, count), (mlp_name, inner) = heads, mlp
+    if count % tensor_parallel_size != 0:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
+            f"({heads_name}={count}): each rank must hold whole heads. Use one of {divisors}."
+        )
+    if inner % tensor_parallel_size != 0:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size ({mlp_name}={inner}). "
+            f"Use a tensor_parallel_size that divides both {heads_name}={count} and {mlp_name}={inner}."
+        )
+
+
 class OsloPreTrainedModel(PreTrainedModel):
     """Base of oslo's model classes: a transformers ``PreTrainedModel`` that knows its parallel layout.
 

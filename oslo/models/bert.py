@@ -50,7 +50,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
 
 from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
-from oslo.models.base import OsloPreTrainedModel
+from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
@@ -430,18 +430,7 @@ class BertPreTrainedModel(OsloPreTrainedModel):
         heads, hidden, inner = config.num_attention_heads, config.hidden_size, config.intermediate_size
         if hidden % heads != 0:
             raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}.")
-        if heads % tensor_parallel_size != 0:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
-                f"(num_attention_heads={heads}): each rank must hold whole heads. Use one of {divisors}."
-            )
-        if inner % tensor_parallel_size != 0:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size "
-                f"(intermediate_size={inner}). Use a tensor_parallel_size that divides both "
-                f"num_attention_heads={heads} and {inner}."
-            )
+        check_split_sizes(tensor_parallel_size, ("num_attention_heads", heads), ("intermediate_size", inner))
         if config.add_cross_attention:
             raise NotImplementedError(
                 "BERT with add_cross_attention=True is not supported by oslo yet; load it with "

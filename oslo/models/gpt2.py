@@ -32,7 +32,7 @@ from transformers.models.gpt2.modeling_gpt2 import (
 )
 
 from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
-from oslo.models.base import OsloPreTrainedModel
+from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
@@ -223,19 +223,8 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
 
     @classmethod
     def _validate_parallel_config(cls, config: GPT2Config, tensor_parallel_size: int) -> None:
-        heads = config.num_attention_heads
         inner = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
-        if heads % tensor_parallel_size != 0:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
-                f"(n_head={heads}): each rank must hold whole heads. Use one of {divisors}."
-            )
-        if inner % tensor_parallel_size != 0:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size (n_inner={inner}). "
-                f"Use a tensor_parallel_size that divides both n_head={heads} and {inner}."
-            )
+        check_split_sizes(tensor_parallel_size, ("n_head", config.num_attention_heads), ("n_inner", inner))
         if config.add_cross_attention:
             raise NotImplementedError(
                 "GPT2 with add_cross_attention=True is not supported by oslo yet; load it with "

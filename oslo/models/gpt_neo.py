@@ -33,7 +33,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
-from oslo.models.base import OsloPreTrainedModel
+from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
@@ -257,20 +257,8 @@ class GPTNeoPreTrainedModel(OsloPreTrainedModel):
 
     @classmethod
     def _validate_parallel_config(cls, config: GPTNeoConfig, tensor_parallel_size: int) -> None:
-        heads = config.num_heads
         inner = config.intermediate_size if config.intermediate_size is not None else 4 * config.hidden_size
-        if heads % tensor_parallel_size != 0:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
-                f"(num_heads={heads}): each rank must hold whole heads. Use one of {divisors}."
-            )
-        if inner % tensor_parallel_size != 0:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the MLP size "
-                f"(intermediate_size={inner}). Use a tensor_parallel_size that divides both num_heads={heads} "
-                f"and {inner}."
-            )
+        check_split_sizes(tensor_parallel_size, ("num_heads", config.num_heads), ("intermediate_size", inner))
         unknown = sorted(set(config.attention_layers) - set(ATTENTION_TYPES))
         if unknown:
             raise ValueError(

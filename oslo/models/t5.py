@@ -52,7 +52,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.t5.modeling_t5 import T5Attention as _TransformersT5Attention
 from transformers.models.t5.modeling_t5 import eager_attention_forward
 
-from oslo.models.base import OsloPreTrainedModel
+from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
@@ -373,18 +373,7 @@ class T5PreTrainedModel(OsloPreTrainedModel):
 
     @classmethod
     def _validate_parallel_config(cls, config: T5Config, tensor_parallel_size: int) -> None:
-        heads, d_ff = config.num_heads, config.d_ff
-        if heads % tensor_parallel_size != 0:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the number of attention heads "
-                f"(num_heads={heads}): each rank must hold whole heads. Use one of {divisors}."
-            )
-        if d_ff % tensor_parallel_size != 0:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} does not divide the feed-forward size (d_ff={d_ff}). "
-                f"Use a tensor_parallel_size that divides both num_heads={heads} and d_ff={d_ff}."
-            )
+        check_split_sizes(tensor_parallel_size, ("num_heads", config.num_heads), ("d_ff", config.d_ff))
 
     def _init_rule(self, module_name: str, module: nn.Module, param_name: str) -> tuple[str, float]:
         # transformers' T5 initialization (_init_weights), by module.

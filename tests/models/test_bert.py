@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
@@ -20,7 +19,7 @@ import oslo
 from oslo.models.compat import CACHE_FIELD
 from oslo.parallel.layers import VocabParallelLMHead
 from tests.distributed import run_distributed
-from tests.helpers import full_grads, save_reference, tiny_gpt2_config
+from tests.helpers import CountAllReduces, full_grads, save_reference, tiny_gpt2_config
 from tests.models import zoo
 from tests.models.cases_bert import VOCAB, causal_lm_batch, masked_lm_batch, tiny_bert_config, tokens
 
@@ -59,23 +58,6 @@ def _check_untied_parity(path: str, tp: int, pp: int) -> None:
     """The zoo's parity check on the untied checkpoint (its ``cls.predictions.bias`` is outside the graph:
     transformers uses the decoder's own bias, so neither has a gradient for it)."""
     zoo.check_parity(_untied_case(), path, tp, pp)
-
-
-class _CountAllReduces:
-    """Counts ``torch.distributed.all_reduce`` calls (the tensor-parallel mappings call it)."""
-
-    def __enter__(self):
-        self.count, self.original = 0, dist.all_reduce
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return self.original(*args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.original
 
 
 class _CountCaches:
@@ -124,9 +106,9 @@ def _tensor_parallel_checks(rank, world_size, paths):
     model = oslo.BertForMaskedLM.from_pretrained_with_parallel(paths["mlm"], tensor_parallel_size=tp)
     layer = model.bert.encoder.layer[1]
     hidden = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
-    with _CountAllReduces() as forward:
+    with CountAllReduces() as forward:
         out, _ = layer(hidden)
-    with _CountAllReduces() as backward:
+    with CountAllReduces() as backward:
         out.square().sum().backward()
     assert (forward.count, backward.count) == (2, 2), (forward.count, backward.count)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 import oslo
 from oslo.parallel.plan import parameter_specs
 from tests.distributed import run_distributed
-from tests.helpers import full_grads, full_params, save_reference
+from tests.helpers import CountAllReduces, full_grads, full_params, save_reference
 from tests.models.cases_t5 import EOS, seq2seq_batch, tiny_t5_config, tokens
 
 
@@ -23,21 +22,6 @@ def path(tmp_path_factory):
     directory = tmp_path_factory.mktemp("t5")
     save_reference(transformers.T5ForConditionalGeneration, tiny_t5_config(), directory)
     return str(directory)
-
-
-class _CountAllReduces:
-    def __enter__(self):
-        self.count, self.original = 0, dist.all_reduce
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return self.original(*args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.original
 
 
 def _block_all_reduces(rank, world_size, path):
@@ -50,9 +34,9 @@ def _block_all_reduces(rank, world_size, path):
     counts = {}
     for name, block, args in [("encoder", model.encoder.block[1], ()),
                               ("decoder", model.decoder.block[1], (None, None, encoder_states))]:
-        with _CountAllReduces() as forward:
+        with CountAllReduces() as forward:
             out = block(hidden, *args)[0]
-        with _CountAllReduces() as backward:
+        with CountAllReduces() as backward:
             out.square().sum().backward()
         counts[name] = (forward.count, backward.count)
     return counts

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import transformers
 
 import oslo
-from tests.helpers import full_grads, full_params
+from tests.helpers import CountAllReduces, full_grads, full_params
 
 CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.models.cases_bert",
                 "tests.models.cases_t5"]
@@ -278,23 +278,12 @@ def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int,
     block = next(iter(layers))
     hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     hidden.requires_grad_()
-    counts = []
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        counts[-1] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        counts.append(0)
+    with CountAllReduces() as forward:
         out = block(hidden)
         out = out[0] if isinstance(out, tuple) else out
-        counts.append(0)
+    with CountAllReduces() as backward:
         out.square().sum().backward()
-    finally:
-        dist.all_reduce = original
-    return tuple(counts)
+    return forward.count, backward.count
 
 
 # ---------------------------------------------------------------------------------------------
