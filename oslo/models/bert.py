@@ -843,10 +843,8 @@ class BertForSequenceClassification(SequenceClassificationHead, BertPreTrainedMo
         **kwargs,
     ):
         """As transformers' ``BertForSequenceClassification.forward`` (its argument order)."""
-        return super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels, **{"use_cache": False, **kwargs},
-        )
+        return self._classify_sequences(
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), labels, **kwargs)
 
 
 class BertForMultipleChoice(MultipleChoiceHead, BertPreTrainedModel):
@@ -875,10 +873,8 @@ class BertForTokenClassification(TokenClassificationHead, BertPreTrainedModel):
         **kwargs,
     ):
         """As transformers' ``BertForTokenClassification.forward`` (its argument order)."""
-        return super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels, **{"use_cache": False, **kwargs},
-        )
+        return self._classify_tokens(
+            body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), labels, **kwargs)
 
 
 class BertForQuestionAnswering(QuestionAnsweringHead, BertPreTrainedModel):

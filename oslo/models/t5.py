@@ -406,6 +406,15 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         shifted[..., 0] = start
         return shifted.masked_fill_(shifted == -100, pad)
 
+    def _decoder_inputs_from(self, input_ids, decoder_input_ids, decoder_inputs_embeds):
+        """The decoder's input ids of the classification and question-answering heads: as given, else the
+        encoder's input shifted right (transformers' T5 reads the input again)."""
+        if decoder_input_ids is not None or decoder_inputs_embeds is not None:
+            return decoder_input_ids
+        if input_ids is None:
+            raise ValueError("Pass input_ids, decoder_input_ids or decoder_inputs_embeds.")
+        return self._shift_right(input_ids)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
 
@@ -856,10 +865,7 @@ class T5ForSequenceClassification(SequenceClassificationHead, T5PreTrainedModel)
         if input_ids is None and inputs_embeds is not None:
             raise NotImplementedError(f"Passing input embeddings is not supported for {type(self).__name__} (as "
                                       "in transformers): it finds the EOS tokens in input_ids.")
-        if decoder_input_ids is None and decoder_inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("Pass input_ids, decoder_input_ids or decoder_inputs_embeds.")
-            decoder_input_ids = self._shift_right(input_ids)
+        decoder_input_ids = self._decoder_inputs_from(input_ids, decoder_input_ids, decoder_inputs_embeds)
         return self._classify_sequences(
             seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
                                 decoder_inputs_embeds, encoder_outputs),
@@ -922,10 +928,7 @@ class T5ForQuestionAnswering(QuestionAnsweringHead, _T5Stacks, T5PreTrainedModel
         **kwargs,
     ) -> Seq2SeqQuestionAnsweringModelOutput | tuple:
         """As transformers' ``T5ForQuestionAnswering.forward``."""
-        if decoder_input_ids is None and decoder_inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("Pass input_ids, decoder_input_ids or decoder_inputs_embeds.")
-            decoder_input_ids = self._shift_right(input_ids)
+        decoder_input_ids = self._decoder_inputs_from(input_ids, decoder_input_ids, decoder_inputs_embeds)
         return self._answer_questions(
             seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
                                 decoder_inputs_embeds, encoder_outputs),
