@@ -30,6 +30,7 @@ merged ones load back in transformers.
 from __future__ import annotations
 
 import copy
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -325,7 +326,8 @@ class T5Block(GradientCheckpointingLayer):
 class T5Stack(nn.Module):
     """The encoder's or the decoder's blocks (this pipeline stage's), with what the stage holding its first
     block builds (``embed_tokens``, tied to ``shared``) and what the stage holding its last one builds
-    (``final_layer_norm``). Run by the model (:class:`_T5Stacks`), not called on its own."""
+    (``final_layer_norm``). Run by the model (:class:`_T5Stacks`); calling the encoder's runs the encoder
+    alone, as ``model.get_encoder()`` does."""
 
     main_input_name = "input_ids"  # what generate() reads
 
@@ -342,6 +344,7 @@ class T5Stack(nn.Module):
         self.embed_tokens = embed_tokens if self.starts_here else None
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon) if self.ends_here else None
         self.dropout = nn.Dropout(config.dropout_rate)
+        self._owner: weakref.ref | None = None  # the model that runs this stack (set by it)
 
     def held(self) -> list[int]:
         """The indices of this stage's blocks."""
@@ -351,11 +354,19 @@ class T5Stack(nn.Module):
         """The relative position table of the first block (this stage holds it)."""
         return self.block[0].layer[0].SelfAttention.relative_attention_bias.weight
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError(
-            "a T5 stack is run by its model: call the model, or model.get_encoder()(input_ids=...) for the encoder "
-            "alone (it runs over the pipeline stages that hold the encoder)."
-        )
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        """The encoder alone, as transformers' ``model.encoder(input_ids=...)`` (over the pipeline stages that
+        hold it; its output on every stage): ``model.get_encoder()``'s call. The decoder is run by its model."""
+        owner = self._owner() if self._owner is not None else None
+        if self.is_decoder or owner is None:
+            raise NotImplementedError(
+                "T5's decoder stack is run by its model (its stages, cache and cross-attention): call the model "
+                "with decoder_input_ids (and encoder_outputs= to skip the encoder)."
+            )
+        return owner.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                   output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                   return_dict=return_dict, **kwargs)
 
 
 class T5PreTrainedModel(OsloPreTrainedModel):
@@ -458,6 +469,7 @@ class _T5Stacks(StagedBody):
         encoder_config, decoder_config = _stack_configs(config)
         self.encoder_end_stage, self.decoder_start_stage = _layer_stages(config.num_layers)
         self.encoder = T5Stack(encoder_config, context, self.shared)
+        self.encoder._owner = weakref.ref(self)
         if not decoder:
             self.decoder = None
             return

@@ -201,3 +201,26 @@ def test_random_init_is_the_same_at_every_layout(name):
                     "decoder.embed_tokens", "shared").replace("lm_head", "shared")
                 torch.testing.assert_close(value, single[source], rtol=0, atol=0,
                                            msg=lambda m, n=param_name, at=(tp, pp): f"{n} at {at}: {m}")
+
+
+def _encoder_alone(rank, world_size, path, tp, pp):
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                                           pipeline_parallel_size=pp)
+    batch = tokens()
+    with torch.no_grad():
+        return (model.encoder(**batch, output_hidden_states=True),
+                model.get_encoder()(**batch, return_dict=False)[0])
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_the_encoder_alone_on_every_rank(path, tp, pp):
+    """model.encoder(...) and model.get_encoder()(...), as transformers users call them: the encoder's output
+    (and hidden states) on every rank, over the stages that hold the encoder."""
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path)
+    expected = reference.encoder(**tokens(), output_hidden_states=True)
+    for output, plain in run_distributed(_encoder_alone, tp * pp, path, tp, pp):
+        torch.testing.assert_close(output.last_hidden_state, expected.last_hidden_state)
+        torch.testing.assert_close(plain, expected.last_hidden_state)
+        assert len(output.hidden_states) == len(expected.hidden_states) == 4
+        for ours, theirs in zip(output.hidden_states, expected.hidden_states, strict=True):
+            torch.testing.assert_close(ours, theirs)
