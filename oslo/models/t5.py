@@ -72,7 +72,7 @@ from oslo.parallel.layers import (
     VocabParallelLMHead,
 )
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers, active_stage_plan
+from oslo.parallel.pipeline import StageLayers, StageLink, active_stage_plan, pipeline_pass
 
 # transformers' bucketing of relative positions (a pure function of positions and the config)
 relative_position_bucket = _TransformersT5Attention._relative_position_bucket
@@ -555,7 +555,7 @@ class _T5Stacks(StagedBody):
         if self.decoder.block and any(block.gradient_checkpointing for block in self.decoder.block) and self.training:
             use_cache = False  # the recomputation would add the keys and values a second time
         if use_cache and cache is None:
-            cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+            cache = self._new_cache()
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         decoder_embeds = stand_in_embeds(decoder_input_ids, decoder_inputs_embeds, dtype, device)
         state.past_length = self_cache.get_seq_length() if self_cache is not None else 0
@@ -673,8 +673,6 @@ class _T5Stacks(StagedBody):
                                      hidden_states=getattr(state, state.encoder_fields[0]),
                                      attentions=getattr(state, state.encoder_fields[1]))
             return output if return_dict is not False else output.to_tuple()
-        from oslo.parallel.pipeline import StageLink, pipeline_pass
-
         states = {}
 
         def stage_forward(received):
