@@ -22,6 +22,8 @@ step — lives in the functions below the heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -244,21 +246,12 @@ class Seq2SeqLMHead:
                 decoder_input_ids = self._shift_right(labels)
         gather = gather_logits_by_default(self, gather_logits, labels)
 
-        def head(outputs, inputs, head_inputs, outputs_needed):
-            projection = self._vocab_projection()
-            local_logits = self._lm_logits(outputs.last_hidden_state)  # (B, T_dec, V_local)
-            loss = None
-            if head_inputs["labels"] is not None:
-                loss = LossSum(MaskedLMHead._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
-            logits = projection.gather(local_logits) if gather and outputs_needed else None
-            return {"loss": loss, "logits": logits}
-
         return self._forward_with_head(
             self.base_model,
             seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
                                 decoder_inputs_embeds, encoder_outputs),
             {"labels": labels},
-            head,
+            unshifted_lm_head(self, gather),
             output_class_for(self, self._lm_output_class, gather, gather_logits),
             cache=cache,
             use_cache=use_cache,
@@ -519,6 +512,23 @@ class QuestionAnsweringHead:
         )
 
 
+def unshifted_lm_head(model: nn.Module, gather: bool) -> Callable:
+    """The head function of :class:`MaskedLMHead` and :class:`Seq2SeqLMHead`: ``model._lm_logits`` (this rank's
+    vocabulary columns), their cross entropy against unshifted labels (never gathering them), and the full
+    logits gathered when ``gather`` and the outputs are needed."""
+
+    def head(outputs, inputs, head_inputs, outputs_needed):
+        projection = model._vocab_projection()
+        local_logits = model._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
+        loss = None
+        if head_inputs["labels"] is not None:
+            loss = LossSum(MaskedLMHead._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
+        logits = projection.gather(local_logits) if gather and outputs_needed else None
+        return {"loss": loss, "logits": logits}
+
+    return head
+
+
 class MaskedLMHead:
     """Masked language modeling: a prediction per position over a vocabulary split across tensor-parallel
     ranks, against unshifted labels (``-100``: not predicted), as transformers' ``...ForMaskedLM``.
@@ -575,20 +585,11 @@ class MaskedLMHead:
             check_labels(labels, self.config.vocab_size)  # every rank, before any communication
         gather = gather_logits_by_default(self, gather_logits, labels)
 
-        def head(outputs, inputs, head_inputs, outputs_needed):
-            projection = self._vocab_projection()
-            local_logits = self._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
-            loss = None
-            if head_inputs["labels"] is not None:
-                loss = LossSum(self._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
-            logits = projection.gather(local_logits) if gather and outputs_needed else None
-            return {"loss": loss, "logits": logits}
-
         return self._forward_with_head(
             self.base_model,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
-            head,
+            unshifted_lm_head(self, gather),
             output_class_for(self, self._masked_lm_output_class, gather, gather_logits),
             use_cache=False,
             return_dict=return_dict,
