@@ -181,30 +181,28 @@ class ParallelContext:
         # Grid (data, pipeline, tensor), tensor fastest: rank = (d * pp + p) * tp + t.
         dp = self.data_parallel_size
 
-        def rank_of(d: int, p: int, t: int) -> int:
-            return (d * pp + p) * tp + t
-
         self.data_parallel_rank, rest = divmod(self.rank, pp * tp)
         self.pipeline_parallel_rank, self.tensor_parallel_rank = divmod(rest, tp)
         self.model_parallel_rank = rest
         d, p, t = self.data_parallel_rank, self.pipeline_parallel_rank, self.tensor_parallel_rank
-        self._tp_ranks = [rank_of(d, p, i) for i in range(tp)]
-        self._pp_ranks = [rank_of(d, i, t) for i in range(pp)]
-        self._dp_ranks = [rank_of(i, p, t) for i in range(dp)]
-        self._mp_ranks = [rank_of(d, 0, 0) + i for i in range(pp * tp)]
-        self._embedding_ranks = [rank_of(d, 0, t), rank_of(d, pp - 1, t)]
+        self._tp_ranks = [self.global_rank(d, p, i) for i in range(tp)]
+        self._pp_ranks = [self.global_rank(d, i, t) for i in range(pp)]
+        self._dp_ranks = [self.global_rank(i, p, t) for i in range(dp)]
+        self._mp_ranks = [self.global_rank(d, 0, 0) + i for i in range(pp * tp)]
+        self._embedding_ranks = [self.global_rank(d, 0, t), self.global_rank(d, pp - 1, t)]
         self.tensor_parallel_group = self._new_groups(
-            [[rank_of(i, j, k) for k in range(tp)] for i in range(dp) for j in range(pp)])
+            [[self.global_rank(i, j, k) for k in range(tp)] for i in range(dp) for j in range(pp)])
         self.pipeline_parallel_group = self._new_groups(
-            [[rank_of(i, j, k) for j in range(pp)] for i in range(dp) for k in range(tp)])
+            [[self.global_rank(i, j, k) for j in range(pp)] for i in range(dp) for k in range(tp)])
         self.data_parallel_group = self._new_groups(
-            [[rank_of(i, j, k) for i in range(dp)] for j in range(pp) for k in range(tp)])
+            [[self.global_rank(i, j, k) for i in range(dp)] for j in range(pp) for k in range(tp)])
         self.model_parallel_group = self._new_groups(
-            [[rank_of(i, 0, 0) + j for j in range(pp * tp)] for i in range(dp)])
+            [[self.global_rank(i, 0, 0) + j for j in range(pp * tp)] for i in range(dp)])
         # First and last stage of one pipeline: weights tied across them (GPT2's wte and lm_head) sum
         # their gradients over this group.
         self.embedding_group = self._new_groups(
-            [[rank_of(i, 0, k), rank_of(i, pp - 1, k)] for i in range(dp) for k in range(tp)]) if pp > 1 else None
+            [[self.global_rank(i, 0, k), self.global_rank(i, pp - 1, k)] for i in range(dp) for k in range(tp)]
+        ) if pp > 1 else None
 
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
