@@ -389,7 +389,7 @@ class GPT2LMHeadModel(CausalLMHead, GPT2PreTrainedModel, GenerationMixin):
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         self.transformer = GPT2Model(config, self.parallel_context)
-        self._build_causal_lm_head(config)
+        self._build_lm_head(config)
         self.post_init()
 
 

@@ -407,7 +407,7 @@ class GPTNeoForCausalLM(CausalLMHead, GPTNeoPreTrainedModel, GenerationMixin):
     def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         self.transformer = GPTNeoModel(config, self.parallel_context)
-        self._build_causal_lm_head(config)
+        self._build_lm_head(config)
         self.post_init()
 
 

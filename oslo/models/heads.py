@@ -43,6 +43,7 @@ from oslo.parallel.layers import VocabParallelLMHead
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
 
 __all__ = [
+    "VocabularyHead",
     "CausalLMHead",
     "MaskedLMHead",
     "MultipleChoiceHead",
@@ -105,23 +106,13 @@ def output_class_for(model: nn.Module, output_class: type, gather: bool, gather_
     return logits_not_gathered(output_class)
 
 
-class CausalLMHead:
-    """Next-token prediction over a vocabulary split across tensor-parallel ranks.
+class VocabularyHead:
+    """What the language-modeling heads share: ``self.lm_head``, a
+    :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage (tied to the input embeddings through
+    ``_tied_weights_keys``) built by :meth:`_build_lm_head`, and the two hooks an architecture overrides
+    when its prediction is more than that projection (BERT's transform + decoder, T5's output scaling)."""
 
-    The loss is computed on vocabulary-split logits (no gather). The full logits are gathered for the
-    output except in a training call (``labels`` given, gradients enabled, ``model.train()``), whose
-    output then has no ``logits`` (asking for them raises an error naming ``gather_logits=True``).
-    ``gather_logits=True`` / ``False`` gathers them always / never (``logits`` is then ``None``).
-
-    An architecture builds ``self.lm_head`` with :meth:`_build_causal_lm_head` (a
-    :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage, tied to the input embeddings
-    through ``_tied_weights_keys``), or overrides :meth:`_lm_logits` and :meth:`_vocab_projection` when
-    its prediction head is more than a projection (BERT's transform + decoder).
-    """
-
-    _lm_output_class: type = CausalLMOutputWithCrossAttentions
-
-    def _build_causal_lm_head(self, config, bias: bool = False) -> None:
+    def _build_lm_head(self, config, bias: bool = False) -> None:
         last = self.parallel_context.is_pipeline_last_stage()
         self.lm_head = (
             VocabParallelLMHead(config.hidden_size, config.vocab_size, bias, parallel_context=self.parallel_context)
@@ -133,8 +124,22 @@ class CausalLMHead:
         return self.lm_head(hidden_states)
 
     def _vocab_projection(self) -> VocabParallelLMHead:
-        """The vocabulary-split projection (its ``causal_lm_loss`` and ``gather``)."""
+        """The vocabulary-split projection (its vocabulary range, group, losses and ``gather``)."""
         return self.lm_head
+
+
+class CausalLMHead(VocabularyHead):
+    """Next-token prediction over a vocabulary split across tensor-parallel ranks.
+
+    The loss is computed on vocabulary-split logits (no gather). The full logits are gathered for the
+    output except in a training call (``labels`` given, gradients enabled, ``model.train()``), whose
+    output then has no ``logits`` (asking for them raises an error naming ``gather_logits=True``).
+    ``gather_logits=True`` / ``False`` gathers them always / never (``logits`` is then ``None``).
+
+    The projection and its hooks: :class:`VocabularyHead`.
+    """
+
+    _lm_output_class: type = CausalLMOutputWithCrossAttentions
 
     @accepts_legacy_cache_name
     def forward(
@@ -198,25 +203,17 @@ def seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_at
                 encoder_last_hidden_state=None if encoder_outputs is None else encoder_outputs[0])
 
 
-class Seq2SeqLMHead:
+class Seq2SeqLMHead(VocabularyHead):
     """Sequence-to-sequence language modeling (T5's ``ForConditionalGeneration``): a prediction per decoder
     position over a vocabulary split across tensor-parallel ranks, against labels that the decoder reads
     shifted right (``self._shift_right(labels)`` when no decoder inputs are given), ``-100`` not predicted.
 
     The loss is the vocabulary-parallel cross entropy of :class:`MaskedLMHead` (unshifted, never gathering
-    the logits); the logits are gathered for the output as :class:`CausalLMHead` does. An architecture
-    builds ``self.lm_head`` (a :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage) and may
-    override :meth:`_lm_logits` (T5 scales the decoder's output first).
+    the logits); the logits are gathered for the output as :class:`CausalLMHead` does. The projection and its
+    hooks: :class:`VocabularyHead` (T5 overrides :meth:`_lm_logits` to scale the decoder's output first).
     """
 
     _lm_output_class: type = Seq2SeqLMOutput
-
-    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
-        return self.lm_head(hidden_states)
-
-    def _vocab_projection(self) -> VocabParallelLMHead:
-        return self.lm_head
 
     @accepts_legacy_cache_name
     def forward(
@@ -529,7 +526,7 @@ def unshifted_lm_head(model: nn.Module, gather: bool) -> Callable:
     return head
 
 
-class MaskedLMHead:
+class MaskedLMHead(VocabularyHead):
     """Masked language modeling: a prediction per position over a vocabulary split across tensor-parallel
     ranks, against unshifted labels (``-100``: not predicted), as transformers' ``...ForMaskedLM``.
 
@@ -537,27 +534,12 @@ class MaskedLMHead:
     logits; BERT's transform + decoder tied to the word embeddings, with its own bias split by vocabulary
     like the decoder) and :meth:`_vocab_projection` (the :class:`~oslo.parallel.layers.VocabParallelLMHead`
     that produces them, whose vocabulary range and group the loss and the gather use), or builds a plain
-    projection with :meth:`_build_masked_lm_head`. The loss is a vocabulary-parallel cross entropy on the
+    projection (:class:`VocabularyHead`). The loss is a vocabulary-parallel cross entropy on the
     split logits (never gathered for it); the logits are gathered for the output as
     :class:`CausalLMHead` does (not in a training call unless ``gather_logits=True``).
     """
 
     _masked_lm_output_class: type = MaskedLMOutput
-
-    def _build_masked_lm_head(self, config, bias: bool = True) -> None:
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.lm_head = (
-            VocabParallelLMHead(config.hidden_size, config.vocab_size, bias, parallel_context=self.parallel_context)
-            if last else None
-        )
-
-    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
-        return self.lm_head(hidden_states)
-
-    def _vocab_projection(self) -> VocabParallelLMHead:
-        """The vocabulary-split projection (its vocabulary range, group and ``gather``)."""
-        return self.lm_head
 
     @staticmethod
     def _masked_lm_loss_sum(projection: VocabParallelLMHead, local_logits: torch.Tensor,

@@ -69,7 +69,6 @@ from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    VocabParallelLMHead,
 )
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers, StageLink, active_stage_plan, pipeline_pass
@@ -813,9 +812,7 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, _T5Stacks, T5PreTrainedModel, Ge
         super().__init__(config, parallel_context)
         self.model_dim = config.d_model
         self._build_stacks(config)
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.lm_head = VocabParallelLMHead(config.d_model, config.vocab_size, parallel_context=self.parallel_context) \
-            if last else None
+        self._build_lm_head(config)
         self.post_init()
 
     def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
