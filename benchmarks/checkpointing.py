@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 import oslo
+from oslo.parallel.dtensor import local_named_parameters
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # glibc settings of the memory processes (set before the model is built): every allocation of
@@ -114,7 +115,7 @@ def _setup(rank: int, world_size: int, config, batch: int, seq: int, micro: int,
         """Bytes autograd keeps from one block's forward on the whole batch (distinct storages, parameters
         excluded): its activations without checkpointing, its input with."""
         block = next(iter(model.transformer.h))
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        parameters = {p.untyped_storage().data_ptr() for _, p in local_named_parameters(model)}
         storages: dict[int, int] = {}
 
         def pack(tensor):
@@ -148,7 +149,7 @@ def _setup(rank: int, world_size: int, config, batch: int, seq: int, micro: int,
         step()
         peak = bench.proc_status("VmHWM")["VmHWM"]
         return {"before": before, "peak": peak, "reset": reset, "tracked": tracked,
-                "parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
+                "parameters": sum(p.numel() * p.element_size() for _, p in local_named_parameters(model))}
 
     return handle
 

@@ -55,6 +55,7 @@ import transformers
 
 import oslo
 from oslo import checkpoint as oslo_checkpoint
+from oslo.parallel.dtensor import local_named_parameters
 
 TARGETS = {2: 1.01, 4: 1.03}
 RSS_TARGET = 1.5
@@ -66,7 +67,7 @@ SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large", "t5": "large"}
 # (a) parameter bytes per rank
 # ---------------------------------------------------------------------------------------------
 def _param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    return sum(p.numel() * p.element_size() for _, p in local_named_parameters(model))  # tied weights once
 
 
 def _total_bytes(arch: bench.Arch, config) -> int:
@@ -88,7 +89,7 @@ def params_rank(rank: int, world_size: int, arch_name: str, config, meta: bool) 
     from oslo.parallel.plan import parameter_specs
 
     specs = parameter_specs(model)
-    replicated = sum(p.numel() * 4 for n, p in model.named_parameters() if specs[n] is None)
+    replicated = sum(p.numel() * 4 for n, p in local_named_parameters(model) if specs[n] is None)
     return {"bytes": nbytes, "replicated": replicated}
 
 

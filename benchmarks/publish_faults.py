@@ -70,6 +70,7 @@ from transformers import GPT2Config  # noqa: E402
 import oslo  # noqa: E402
 from oslo import checkpoint as ckpt  # noqa: E402
 from oslo.models import base  # noqa: E402
+from oslo.parallel.dtensor import local_named_parameters
 from oslo.parallel.plan import parameter_specs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -174,7 +175,7 @@ def _model(seed: int, small: bool = True):
 def _full_weights(model) -> dict[str, torch.Tensor]:
     """The model's unsplit weights (all-gathered over its tensor-parallel group)."""
     context, specs, out = model.parallel_context, parameter_specs(model), {}
-    for name, param in model.named_parameters():
+    for name, param in local_named_parameters(model):
         spec, local = specs[name], param.detach().contiguous()
         if spec is None:
             out[name] = local.clone()

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from oslo.parallel.dtensor import local_named_parameters
+
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets"
 
@@ -80,7 +82,7 @@ def main(args: argparse.Namespace) -> None:
         return loss
 
     if is_main:
-        shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        shard_bytes = sum(p.numel() * p.element_size() for _, p in local_named_parameters(model))
         print(f"{context}\nthis rank holds {shard_bytes / 2**20:.2f} MiB of parameters", flush=True)
     start_loss = held_out_loss()
     optimizer = torch.optim.AdamW(model.gpu_parameters(), lr=args.lr, weight_decay=0.01)

@@ -40,6 +40,7 @@ from torch import nn
 
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import local_named_parameters
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 
 logger = logging.getLogger(__name__)
@@ -463,7 +464,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
     used, missing = set(), []
 
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in local_named_parameters(model):
             spec = specs[name]
             global_shape = spec.global_shape(param.shape) if spec is not None else tuple(param.shape)
             key = _resolve_key(name, keys, prefix)
@@ -713,7 +714,7 @@ class _Save:
 def _saved_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ShardSpec | None]]:
     """Parameters to save, tied duplicates once (``named_parameters`` keeps the first owner)."""
     specs = parameter_specs(model)
-    for name, param in model.named_parameters():
+    for name, param in local_named_parameters(model):
         yield name, param.detach(), specs[name]
 
 

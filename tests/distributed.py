@@ -36,13 +36,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _worker(fn, rank, world_size, port, args, kwargs, conn) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     try:
-        result = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+        # A DTensor cannot travel without its process group: its local tensor does (this rank's values).
+        result = tree_map(lambda x: _plain(x).detach() if isinstance(x, torch.Tensor) else x,
                           fn(rank, world_size, *args, **kwargs))
         # Plain pickle copies tensor data into the message (no shared memory outliving this process).
         conn.send_bytes(pickle.dumps(("ok", result)))

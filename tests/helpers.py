@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import GPT2Config
 
 from oslo.parallel.plan import parameter_specs
@@ -37,6 +38,10 @@ def full_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         spec = specs.get(name)
         if local is None:  # no gradient (outside the objective's graph): the same on every rank
             out[name] = None
+            continue
+        if isinstance(local, DTensor):  # torch assembles it (fused blocks are seen as (..., chunks, size))
+            full = local.full_tensor()
+            out[name] = full.flatten(spec.dim, spec.dim + 1) if spec is not None and spec.chunks > 1 else full
             continue
         if spec is None or context.tensor_parallel_size == 1:
             out[name] = local if spec is None else spec.merge([local])

@@ -29,6 +29,13 @@ from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
+from oslo.parallel.dtensor import (
+    distribute_parameters,
+    is_distributed,
+    plain,
+    plain_leaves_module,
+    undistribute_parameters,
+)
 from oslo.parallel.failure import call_watch
 from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
@@ -323,16 +330,16 @@ class OsloPreTrainedModel(PreTrainedModel):
                 continue
             member = next(name for name in [source, *sorted(families[source])] if name in parameters)
             tied.append((parameters[member], group))
-        before = [param.grad.detach().clone() if param.grad is not None else None for param, _ in tied]
+        before = [plain(param.grad).detach().clone() if param.grad is not None else None for param, _ in tied]
 
         def reduce(scaled: bool) -> None:
             for (param, group), previous in zip(tied, before, strict=True):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=group)
+                dist.all_reduce(plain(param.grad), group=group)
                 if previous is not None:  # every holding stage added it
-                    param.grad.sub_(previous * (dist.get_world_size(group) - 1))
-            grads = [param.grad for param in self.parameters() if param.grad is not None]
+                    plain(param.grad).sub_(previous * (dist.get_world_size(group) - 1))
+            grads = [plain(param.grad) for param in self.parameters() if param.grad is not None]
             if average_replicas:
                 average_over_replicas(grads, context)
             agree_on_nonfinite_gradients(grads, context, scan=half or scaled)
@@ -360,7 +367,7 @@ class OsloPreTrainedModel(PreTrainedModel):
 
         def check(scan: bool) -> None:
             try:
-                agree_on_nonfinite_gradients([p.grad for p in self.parameters()], self.parallel_context, scan)
+                agree_on_nonfinite_gradients([plain(p.grad) for p in self.parameters()], self.parallel_context, scan)
             finally:
                 self._overflow_check_pending = False
 
@@ -718,11 +725,20 @@ class OsloPreTrainedModel(PreTrainedModel):
         """The module holding this rank's parameters, to wrap in ``DistributedDataParallel`` over
         ``model.mpu.get_data_parallel_group()``. With pipeline parallelism the schedule averages the
         gradients over the replicas itself after the last micro-batch (DDP would after the first): a
-        wrapped model works as well, and DDP's ``no_sync()`` still skips the averaging."""
+        wrapped model works as well, and DDP's ``no_sync()`` still skips the averaging.
+
+        At tensor parallelism the parameters are DTensors, which DDP cannot reduce: the module returned
+        calls this model and holds this rank's plain shards (Megatron attributes set) as its parameters;
+        from then on the model trains those, and each gradient they get is mirrored into its DTensor's
+        ``.grad`` (same memory). Build the optimizer over ``model.parameters()`` (DTensors: stock clipping
+        sees the whole model) or over the wrapper's (plain shards). ``torch.autograd.grad`` with respect to
+        ``model.parameters()`` is not available once the storages train (DDP does not support it either)."""
+        if is_distributed(self):
+            return plain_leaves_module(self)
         return self
 
     def gpu_parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, for the optimizer."""
+        """This rank's parameters, for the optimizer (DTensors at tensor parallelism)."""
         return self.parameters()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -730,12 +746,24 @@ class OsloPreTrainedModel(PreTrainedModel):
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def state_dict(self, *args, **kwargs):
-        """This rank's parameters under the full model's names, as ``nn.Module.state_dict``: with
-        tensor parallelism a split weight is this rank's shard (``transformer.wte.weight`` holds its
-        vocabulary rows), with pipelines only this stage's weights are there. For a checkpoint of the
-        whole model use :meth:`save_pretrained_with_parallel` (``save_with_merging=True``: plain
-        transformers files)."""
+        """This rank's parameters under the full model's names, as ``nn.Module.state_dict``. With tensor
+        parallelism every parameter is a DTensor that says how it is split: ``.full_tensor()`` gives the
+        whole weight (GPT2's fused ``c_attn`` is seen as ``(..., 3, size / 3)``: ``.flatten(-2)`` for
+        transformers' shape), ``torch.distributed.checkpoint`` saves and reshards it, and
+        ``load_state_dict`` of such a dict works at the same layout. With pipelines only this stage's weights
+        are there. For a checkpoint of the whole model use :meth:`save_pretrained_with_parallel`
+        (``save_with_merging=True``: plain transformers files)."""
         return super().state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda() convert the plain storages; the DTensors are rebuilt around them.
+        if not is_distributed(self):
+            return super()._apply(fn, recurse)
+        plain_leaves = undistribute_parameters(self)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            distribute_parameters(self, self.parallel_context, plain_leaves=plain_leaves)
 
     def resize_token_embeddings(self, *args, **kwargs):
         """Not available on a built oslo model: its vocabulary is split across ranks and padded. Build the
@@ -748,6 +776,12 @@ class OsloPreTrainedModel(PreTrainedModel):
             f"across ranks. Pass resize_token_embeddings={size if size is not None else 'N'} to "
             "from_pretrained_with_parallel (or from_config_with_parallel) to build the model at that size."
         )
+
+    def _distribute(self) -> None:
+        """The last step of a build: at tensor parallelism the parameters become DTensors (see
+        :mod:`oslo.parallel.dtensor`)."""
+        if self.parallel_context.tensor_parallel_size > 1:
+            distribute_parameters(self, self.parallel_context)
 
     # ---- activation checkpointing ------------------------------------------------------------
     def _set_gradient_checkpointing(
@@ -936,6 +970,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                     param.copy_(model._seeded_local_init(name, spec, global_shape))
 
         run_on_all_ranks(context, initialize, "initializing the model")
+        model._distribute()
         return model
 
     @classmethod
@@ -1012,6 +1047,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             model, checkpoint, model._seeded_local_init, allow_vocab_resize=resize_token_embeddings is not None
         )
         model.eval()
+        model._distribute()
         return model
 
     @classmethod

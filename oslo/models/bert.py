@@ -65,6 +65,7 @@ from oslo.models.heads import (
     gather_logits_by_default,
 )
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -229,7 +230,8 @@ class BertSelfOutput(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         if self.fused:
             out = self.dense(hidden_states, skip_bias_add=True)
-            return self.LayerNorm(bias_dropout_add(out, self.dense.bias, input_tensor, self.dropout.p, self.training))
+            bias = local(self.dense.bias)
+            return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 
@@ -275,7 +277,8 @@ class BertIntermediate(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gelu_approximation is not None:
-            return bias_gelu(self.dense(hidden_states, skip_bias_add=True), self.dense.bias, self.gelu_approximation)
+            bias = local(self.dense.bias)
+            return bias_gelu(self.dense(hidden_states, skip_bias_add=True), bias, self.gelu_approximation)
         return self.intermediate_act_fn(self.dense(hidden_states))  # (B, T, intermediate_local)
 
 
@@ -297,7 +300,8 @@ class BertOutput(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         if self.fused:
             out = self.dense(hidden_states, skip_bias_add=True)
-            return self.LayerNorm(bias_dropout_add(out, self.dense.bias, input_tensor, self.dropout.p, self.training))
+            bias = local(self.dense.bias)
+            return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 

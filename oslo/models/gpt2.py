@@ -46,6 +46,7 @@ from oslo.models.heads import (
     output_class_for,
 )
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -127,7 +128,8 @@ class GPT2Attention(nn.Module):
         attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
         if self.fused:
             out = self.c_proj(attn_output, skip_bias_add=True)
-            hidden_states = bias_dropout_add(out, self.c_proj.bias, residual, self.resid_dropout.p, self.training)
+            bias = local(self.c_proj.bias)
+            hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
         else:
             hidden_states = residual + self.resid_dropout(self.c_proj(attn_output))
 
@@ -170,9 +172,9 @@ class GPT2MLP(nn.Module):
         """Return ``residual + mlp(hidden_states)``."""
         if self.fused:
             hidden_states = self.c_fc(hidden_states, skip_bias_add=True)  # (B, T, inner_local)
-            hidden_states = bias_gelu(hidden_states, self.c_fc.bias, self.gelu_approximation)
+            hidden_states = bias_gelu(hidden_states, local(self.c_fc.bias), self.gelu_approximation)
             out = self.c_proj(hidden_states, skip_bias_add=True)  # (B, T, C)
-            return bias_dropout_add(out, self.c_proj.bias, residual, self.dropout.p, self.training)
+            return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
         hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
         return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
 

@@ -43,6 +43,7 @@ from oslo.models.heads import (
     TokenClassificationHead,
 )
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import local
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
@@ -140,7 +141,8 @@ class GPTNeoSelfAttention(nn.Module):
 
         if self.fused:
             out = self.out_proj(attn_output, skip_bias_add=True)
-            hidden_states = bias_dropout_add(out, self.out_proj.bias, residual, self.resid_dropout.p, self.training)
+            bias = local(self.out_proj.bias)
+            hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
         else:
             hidden_states = self.resid_dropout(self.out_proj(attn_output)) + residual
 
@@ -206,11 +208,11 @@ class GPTNeoMLP(nn.Module):
             return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
         if self.gelu_approximation is not None:
             hidden_states = self.c_fc(hidden_states, skip_bias_add=True)
-            hidden_states = bias_gelu(hidden_states, self.c_fc.bias, self.gelu_approximation)
+            hidden_states = bias_gelu(hidden_states, local(self.c_fc.bias), self.gelu_approximation)
         else:
             hidden_states = self.act(self.c_fc(hidden_states))
         out = self.c_proj(hidden_states, skip_bias_add=True)
-        return bias_dropout_add(out, self.c_proj.bias, residual, self.dropout.p, self.training)
+        return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
 
 
 class GPTNeoBlock(GradientCheckpointingLayer):

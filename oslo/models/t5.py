@@ -64,6 +64,7 @@ from oslo.models.heads import (
     seq2seq_body_inputs,
 )
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -351,7 +352,7 @@ class T5Stack(nn.Module):
 
     def position_table(self) -> torch.Tensor:
         """The relative position table of the first block (this stage holds it)."""
-        return self.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        return local(self.block[0].layer[0].SelfAttention.relative_attention_bias.weight)
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs):

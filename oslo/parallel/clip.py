@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from oslo.parallel.dtensor import plain
 from oslo.parallel.plan import parameter_specs
 
 
@@ -36,10 +37,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
+        grad = plain(param.grad)
         if name in copies:
-            grads_copies.append(param.grad)
+            grads_copies.append(grad)
         else:
-            (grads_split if specs[name] is not None else grads_replicated).append(param.grad)
+            (grads_split if specs[name] is not None else grads_replicated).append(grad)
 
     device = context.device
     replicated_counts = context.tensor_parallel_rank == 0

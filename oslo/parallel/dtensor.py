@@ -1,0 +1,323 @@
+"""Shards that say what they are: at tensor parallelism every parameter of an oslo model is a PyTorch
+``DTensor`` on the tensor-parallel mesh, so torch's own tools (``clip_grad_norm_``, distributed
+checkpointing, ``full_tensor()``) see the whole model's tensors, not one rank's slice under a full name.
+
+The math stays oslo's. Each DTensor's local tensor is a view of a plain *storage* tensor — the layer's
+own shard, with the zero rows that pad a vocabulary to a multiple of the tensor-parallel size — and the
+layers compute on the storages: for the length of a module's forward its DTensors are swapped for
+:func:`local` views of their storages, whose backward hands the gradient to the DTensor
+(:class:`_LocalView`). The forward is oslo's, with its 2 + 2 all-reduces per block; the DTensor is the
+autograd leaf (``torch.autograd.grad``, tensor hooks and optimizers work on it as on any parameter), and
+its gradient is a DTensor of the same layout.
+
+How a shard maps to a DTensor:
+
+* replicated parameter: ``Replicate()``;
+* column/row split: ``Shard(dim)``, global shape the transformers one;
+* vocabulary split: ``Shard(dim)`` of the *unpadded* vocabulary (torch's uneven sharding is oslo's: the
+  first ranks hold ``ceil(V / tp)`` rows, the last the rest); the local tensor leaves the padding out;
+* fused blocks (GPT2's ``c_attn``, ``[q | k | v]``, each split on its own): the split dimension is seen as
+  ``(chunks, size / chunks)`` and sharded on the second (``Shard(dim + 1)``), so every rank's slice is a
+  regular shard that distributed checkpointing can save; ``full_tensor().flatten(dim, dim + 1)`` is the
+  transformers weight.
+
+``DistributedDataParallel`` (and DeepSpeed) need plain tensors: :func:`plain_leaves_module`, what
+``model.gpu_modules()`` returns, hands them the storages as parameters, the model computes on those from
+then on, and every gradient they receive is mirrored into the DTensor's ``.grad`` (same memory), so
+``clip_grad_norm_(model.parameters())`` and optimizers over ``model.parameters()`` still see the DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from oslo.parallel.context import ParallelContext
+from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
+
+__all__ = [
+    "device_mesh",
+    "distribute_parameters",
+    "is_distributed",
+    "local",
+    "local_named_parameters",
+    "plain",
+    "plain_leaves_module",
+    "undistribute_parameters",
+]
+
+# Megatron-LM's parameter attributes, read by DeepSpeed (its gradient norm through ``mpu``), apex and NeMo.
+_MEGATRON_REPLICATED = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def device_mesh(context: ParallelContext) -> DeviceMesh:
+    """The ``DeviceMesh`` of this rank's pipeline stage, dimensions ``("dp", "tp")``, built on the context's
+    own groups (no new communicator). Parameters live on ``mesh["tp"]``; FSDP2 shards over ``mesh["dp"]``."""
+    mesh = context.__dict__.get("_device_mesh")
+    if mesh is None:
+        p = context.pipeline_parallel_rank
+        ranks = torch.tensor([[context.global_rank(d, p, t) for t in range(context.tensor_parallel_size)]
+                              for d in range(context.data_parallel_size)])
+        mesh = DeviceMesh.from_group(
+            [context.data_parallel_group, context.tensor_parallel_group], context.device.type,
+            mesh=ranks, mesh_dim_names=("dp", "tp"),
+        )
+        context._device_mesh = mesh
+    return mesh
+
+
+def plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The local tensor of a DTensor (this rank's values, the same memory); anything else as it is."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_distributed(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (built at tensor_parallel_size > 1)."""
+    return bool(model.__dict__.get("_oslo_distributed", False))
+
+
+# ---- one parameter ---------------------------------------------------------------------------------
+def _local_of(storage: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The DTensor's local tensor: a view of ``storage`` without padding, fused blocks unflattened."""
+    if spec is None:
+        return storage
+    if spec.kind == VOCAB:
+        start, stop = spec.vocab_range()
+        return storage.narrow(spec.dim, 0, stop - start)
+    if spec.chunks > 1:
+        return storage.unflatten(spec.dim, (spec.chunks, storage.size(spec.dim) // spec.chunks))
+    return storage
+
+
+def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple[object, tuple[int, ...]]:
+    if spec is None:
+        return Replicate(), tuple(storage.shape)
+    shape = list(storage.shape)
+    shape[spec.dim] = spec.global_size
+    if spec.chunks > 1:
+        shape[spec.dim:spec.dim + 1] = [spec.chunks, spec.global_size // spec.chunks]
+        return Shard(spec.dim + 1), tuple(shape)
+    return Shard(spec.dim), tuple(shape)
+
+
+def _megatron_attributes(spec: ShardSpec | None) -> dict[str, object]:
+    if spec is None:
+        return dict(_MEGATRON_REPLICATED)
+    return {"tensor_model_parallel": True, "partition_dim": spec.dim, "partition_stride": spec.chunks}
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def _wrap(local: torch.Tensor, dt: DTensor) -> DTensor:
+    """``local`` (shaped like ``dt``'s local tensor) as a DTensor of ``dt``'s layout."""
+    return DTensor(local, dt._spec, requires_grad=False)
+
+
+def _make_dtensor(storage: nn.Parameter, spec: ShardSpec | None, mesh: DeviceMesh) -> nn.Parameter:
+    placement, shape = _placement_and_shape(storage, spec)
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), storage.dtype)
+    local = _local_of(storage.detach(), spec)
+    dt = nn.Parameter(DTensor(local, DTensorSpec(mesh, (placement,), meta), requires_grad=storage.requires_grad),
+                      requires_grad=storage.requires_grad)
+    dt._oslo_storage = storage
+    dt._oslo_spec = spec
+    dt._oslo_plain_leaf = False
+    for name, value in _megatron_attributes(spec).items():
+        setattr(dt, name, value)
+        setattr(storage, name, value)
+    return dt
+
+
+def _storage_gradient(dt: DTensor) -> torch.Tensor | None:
+    """``dt.grad`` in the storage's shape (padding rows zero), or ``None``."""
+    if dt.grad is None:
+        return None
+    storage, spec = dt._oslo_storage, dt._oslo_spec
+    grad = plain(dt.grad)
+    if spec is not None and spec.kind == VOCAB and grad.size(spec.dim) != storage.size(spec.dim):
+        full = torch.zeros_like(storage)
+        full.narrow(spec.dim, 0, grad.size(spec.dim)).copy_(grad)
+        return full
+    return grad.reshape(storage.shape)
+
+
+class _LocalView(torch.autograd.Function):
+    """The storage of a DTensor parameter, to compute on; its gradient goes to the DTensor (the padding
+    rows' part, zero, is dropped)."""
+
+    @staticmethod
+    def forward(ctx, dt: DTensor) -> torch.Tensor:
+        ctx.dt = dt
+        return dt._oslo_storage.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:
+        dt = ctx.dt
+        return _wrap(_local_of(grad, dt._oslo_spec), dt)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def _mirror_gradient(storage: torch.Tensor) -> None:
+    """Post-accumulate hook of a storage that ``DistributedDataParallel`` trains: its DTensor's ``.grad`` is a
+    view of the storage's (DDP averages that one in place)."""
+    dt = storage._oslo_dtensor
+    if storage.grad is None:
+        return
+    current = dt.grad
+    local = _local_of(storage.grad, dt._oslo_spec)
+    if current is None or plain(current).data_ptr() != local.data_ptr() or plain(current).shape != local.shape:
+        dt.grad = _wrap(local, dt)
+
+
+def _sync_plain_leaf(dt: DTensor) -> None:
+    """Before a call: the storage trains in ``dt``'s place; a gradient cleared on one side is cleared on both."""
+    storage = dt._oslo_storage
+    if storage.requires_grad != dt.requires_grad:
+        storage.requires_grad_(dt.requires_grad)
+    if dt.grad is None and storage.grad is not None:
+        storage.grad = None
+    elif storage.grad is None and dt.grad is not None:
+        dt.grad = None
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor to compute on for ``param``: for a DTensor parameter, a view of its storage whose gradient
+    reaches the DTensor (the storage itself without gradients, or once ``DistributedDataParallel`` trains
+    the storages); anything else as it is. A layer's own parameters are swapped for these during its
+    forward; code that reads another module's parameter (a fused kernel taking ``c_proj.bias``) calls this."""
+    if not isinstance(param, DTensor) or not hasattr(param, "_oslo_storage"):
+        return param
+    if param._oslo_plain_leaf:
+        _sync_plain_leaf(param)
+        return param._oslo_storage
+    if torch.is_grad_enabled() and param.requires_grad:
+        return _LocalView.apply(param)
+    return param._oslo_storage.detach()
+
+
+def _swap_in(module: nn.Module, args) -> None:
+    swapped = []
+    for name, param in module._parameters.items():
+        if isinstance(param, DTensor):
+            module._parameters[name] = local(param)
+            swapped.append((name, param))
+    module.__dict__.setdefault("_oslo_swapped", []).append(swapped)
+
+
+def _swap_out(module: nn.Module, args, output) -> None:
+    stack = module.__dict__.get("_oslo_swapped")
+    if stack:
+        for name, param in stack.pop():
+            module._parameters[name] = param
+
+
+def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:
+    """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh (see the module docstring).
+    The layers' plain parameters become the storages; tied parameters stay tied."""
+    mesh = device_mesh(context)["tp"]
+    specs = parameter_specs(model)
+    made: dict[int, nn.Parameter] = {}
+    spec_of = {id(p): specs[name] for name, p in model.named_parameters()}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            dt = made.get(id(param))
+            if dt is None:
+                dt = made[id(param)] = _make_dtensor(param, spec_of[id(param)], mesh)
+                param._oslo_dtensor = dt
+                grad = param.grad
+                if grad is not None:
+                    dt.grad = _wrap(_local_of(grad, dt._oslo_spec), dt)
+                    if not plain_leaves:
+                        param.grad = None
+            module._parameters[name] = dt
+        if any(isinstance(p, DTensor) for p in module._parameters.values()) and "_oslo_hooks" not in module.__dict__:
+            module._oslo_hooks = (module.register_forward_pre_hook(_swap_in),
+                                  module.register_forward_hook(_swap_out, always_call=True))
+    model._oslo_distributed = True
+    if plain_leaves:
+        use_plain_leaves(model)
+
+
+def undistribute_parameters(model: nn.Module) -> bool:
+    """Put the plain storages back in the modules (gradients with them); returns whether the storages were
+    training in the DTensors' place (:func:`plain_leaves_module`)."""
+    plain_leaves = False
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                storage = param._oslo_storage
+                plain_leaves = plain_leaves or param._oslo_plain_leaf
+                if not param._oslo_plain_leaf:
+                    storage.grad = _storage_gradient(param)
+                storage.requires_grad_(param.requires_grad)
+                module._parameters[name] = storage
+        for handle in module.__dict__.pop("_oslo_hooks", ()):
+            handle.remove()
+    model._oslo_distributed = False
+    return plain_leaves
+
+
+def local_named_parameters(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_parameters`` with every DTensor replaced by its storage (this rank's shard as the layer holds
+    it, vocabulary padding included): what checkpoints read and write."""
+    for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        yield name, param._oslo_storage if isinstance(param, DTensor) else param
+
+
+def use_plain_leaves(model: nn.Module) -> None:
+    """From now on the storages are the tensors autograd trains (``DistributedDataParallel``/DeepSpeed
+    wrap them); each gradient they get is mirrored into its DTensor's ``.grad``."""
+    for dt in model.parameters():
+        if not isinstance(dt, DTensor) or dt._oslo_plain_leaf:
+            continue
+        storage = dt._oslo_storage
+        if dt.grad is not None and storage.grad is None:
+            storage.grad = _storage_gradient(dt)
+        storage.requires_grad_(dt.requires_grad)
+        if not getattr(storage, "_oslo_mirrors", False):
+            storage.register_post_accumulate_grad_hook(_mirror_gradient)
+            storage._oslo_mirrors = True
+        dt._oslo_plain_leaf = True
+        _mirror_gradient(storage)
+
+
+class _PlainLeaves(nn.Module):
+    """``model`` as ``DistributedDataParallel`` and DeepSpeed need it: this rank's storages (plain tensors,
+    Megatron attributes set) are the parameters; the model's DTensors are left to the caller's optimizer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+        names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+        self._ddp_params_and_buffers_to_ignore = [f"module.{name}" for name in names]
+        for name, storage in local_named_parameters(model):
+            self.register_parameter(name.replace(".", "__"), storage)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+def plain_leaves_module(model: nn.Module) -> nn.Module:
+    """The module to wrap in ``DistributedDataParallel`` (see :class:`_PlainLeaves`); the model trains its
+    storages from now on."""
+    use_plain_leaves(model)
+    return _PlainLeaves(model)

@@ -1,0 +1,110 @@
+"""Shards torch understands: at tensor parallelism the parameters are DTensors, so the tools users already
+run on their models are right on oslo models — torch's ``clip_grad_norm_``, ``state_dict`` /
+``load_state_dict``, ``full_tensor()`` — checked against one process on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import full_params, save_reference, tiny_gpt2_config
+
+LR = 0.5
+MAX_NORM = 0.5  # well under the gradient norm (about 3): every layout must clip by the same factor
+ROWS = 8
+
+
+def global_batch(length: int = 10) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    input_ids = torch.randint(3, 1001, (ROWS, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, padding in enumerate([0, 4, 2, 0, 6, 1, 3, 0]):
+        attention_mask[row, :padding] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(n_layer=2), path)
+    return str(path)
+
+
+def reference_clipped_step(path: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """transformers' model, one process, the whole batch: backward, stock clipping, one SGD step."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model(**global_batch()).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    return {name: param.detach() for name, param in model.named_parameters()}, norm
+
+
+def _stock_clipped_step(rank, world_size, path, tp, wrap):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    mpu = model.mpu
+    call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group()) \
+        if wrap else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    rows = ROWS // mpu.get_data_parallel_world_size()
+    start = mpu.get_data_parallel_rank() * rows
+    call(**{name: value[start:start + rows] for name, value in global_batch().items()}).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # the stock call, unchanged
+    optimizer.step()
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return full_params(model), norm
+
+
+@pytest.mark.parametrize("tp, dp, wrap", [(2, 1, False), (2, 2, True)], ids=["tp2", "tp2-dp2-ddp"])
+def test_stock_clip_grad_norm_equals_one_process(checkpoint, tp, dp, wrap):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) gives the whole model's norm on every rank, and
+    the clipped step the weights of one process on the global batch (before DTensor parameters each rank
+    clipped by its own shard's norm: 5e-3 off)."""
+    expected, expected_norm = reference_clipped_step(checkpoint)
+    assert expected_norm > 2 * MAX_NORM
+    for params, norm in run_distributed(_stock_clipped_step, tp * dp, checkpoint, tp, wrap):
+        torch.testing.assert_close(norm, expected_norm)
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _state_dict_round_trip(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+    state = model.state_dict()
+    kinds = {name: type(value).__name__ for name, value in state.items()}
+    full = {}
+    for name, value in state.items():
+        whole = value.full_tensor()
+        full[name] = whole.flatten(-2) if name.endswith("c_attn.weight") or name.endswith("c_attn.bias") else whole
+    attributes = {name: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)
+                  for name, p in model.named_parameters()}
+    # A model with other weights takes this state dict at the same layout and computes the same logits.
+    other = oslo.GPT2LMHeadModel.from_config_with_parallel(model.config, tensor_parallel_size=world_size, seed=5)
+    batch = global_batch()
+    before = other(input_ids=batch["input_ids"]).logits
+    other.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+        loaded = other(input_ids=batch["input_ids"]).logits
+    return kinds, full, attributes, (before - logits).abs().max().item(), (loaded - logits).abs().max().item()
+
+
+def test_state_dict_is_self_describing_and_loads_at_the_same_layout(checkpoint):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).state_dict()
+    for kinds, full, attributes, before, after in run_distributed(_state_dict_round_trip, 2, checkpoint):
+        assert set(kinds.values()) == {"DTensor"}, kinds
+        for name, value in full.items():
+            torch.testing.assert_close(value, reference[name], msg=lambda m, n=name: f"{n}: {m}")
+        # Megatron's attributes, read by DeepSpeed's gradient norm through mpu, apex and NeMo.
+        assert attributes["transformer.wte.weight"] == (True, 0, 1)
+        assert attributes["transformer.h.0.attn.c_attn.weight"] == (True, 1, 3)
+        assert attributes["transformer.h.0.attn.c_proj.weight"] == (True, 0, 1)
+        assert attributes["transformer.h.0.ln_1.weight"] == (False, -1, 1)
+        assert before > 1e-3 and after == 0.0, (before, after)
