@@ -62,6 +62,7 @@ from oslo.models import (
     T5Stack,
 )
 from oslo.parallel import ParallelContext, clip_grad_norm_
+from oslo.training_state import load_training_state, save_training_state
 
 __version__ = "0.1.0.dev0"
 
@@ -121,6 +122,8 @@ __all__ = [
     "T5PreTrainedModel",
     "T5Stack",
     "ParallelContext",
+    "save_training_state",
+    "load_training_state",
     "DatasetPreprocessor",
     "DatasetForCausalLM",
     "DatasetBlender",

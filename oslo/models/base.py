@@ -14,6 +14,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -30,10 +31,13 @@ from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
 from oslo.parallel.dtensor import (
+    device_mesh,
     distribute_parameters,
     is_distributed,
+    local_named_parameters,
     plain,
     plain_leaves_module,
+    trains_plain_leaves,
     undistribute_parameters,
 )
 from oslo.parallel.failure import call_watch
@@ -110,7 +114,10 @@ class _LogitsNotGathered:
 def logits_not_gathered(output_class: type) -> type:
     """``output_class`` (a transformers ``ModelOutput``) whose ``logits`` attribute raises an error that says
     why they are missing and how to get them (``gather_logits=True``)."""
-    return type(output_class.__name__, (_LogitsNotGathered, output_class), {"__module__": output_class.__module__})
+    # ``logits`` is no field of it either: code that walks an output's dataclass fields (FSDP2's hooks) skips it.
+    fields = {name: field for name, field in output_class.__dataclass_fields__.items() if name != "logits"}
+    return type(output_class.__name__, (_LogitsNotGathered, output_class),
+                {"__module__": output_class.__module__, "__dataclass_fields__": fields})
 
 
 def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tuple[str, int]) -> None:
@@ -487,9 +494,17 @@ class OsloPreTrainedModel(PreTrainedModel):
                     values[name] = getattr(outputs, name)
             return values
 
+        fsdp = isinstance(self, FSDPModule)  # fully_shard (FSDP2) averages the gradients over the replicas
+        if fsdp and context.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} is wrapped by fully_shard (FSDP2) at pipeline_parallel_size="
+                f"{context.pipeline_parallel_size}: FSDP2 composes with oslo's tensor parallelism at "
+                "pipeline_parallel_size=1 (any tensor- and data-parallel size). With pipelines, wrap the model in "
+                "DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())."
+            )
         if context.pipeline_parallel_size == 1:
             divisors = None
-            if ddp is not None and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
+            if (ddp is not None or fsdp) and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
                     and num_items_in_batch is None and context.data_parallel_size > 1:
                 divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
             on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
@@ -610,6 +625,15 @@ class OsloPreTrainedModel(PreTrainedModel):
     def mpu(self) -> ParallelContext:
         """The Megatron/DeepSpeed-style model-parallel unit: ranks, sizes and groups."""
         return self.parallel_context
+
+    @property
+    def device_mesh(self):
+        """The ``DeviceMesh`` of this rank's pipeline stage, dimensions ``("dp", "tp")``, on the model's own
+        groups: the parameters are DTensors on ``device_mesh["tp"]``; FSDP2 shards over ``device_mesh["dp"]``
+        (``fully_shard(model, mesh=model.device_mesh["dp"])``). ``None`` in a single process."""
+        if self.parallel_context.world_size == 1:
+            return None
+        return device_mesh(self.parallel_context)
 
     @contextmanager
     def _model_call(self) -> Iterator[bool]:
@@ -738,7 +762,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         return self
 
     def gpu_parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, for the optimizer (DTensors at tensor parallelism)."""
+        """This rank's parameters, for the optimizer: the DTensors (with several processes), or, once
+        :meth:`gpu_modules` made the plain shards the trained tensors (DDP, DeepSpeed), those shards."""
+        if is_distributed(self) and trains_plain_leaves(self):
+            return (storage for _, storage in local_named_parameters(self))
         return self.parameters()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -778,9 +805,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         )
 
     def _distribute(self) -> None:
-        """The last step of a build: at tensor parallelism the parameters become DTensors (see
-        :mod:`oslo.parallel.dtensor`)."""
-        if self.parallel_context.tensor_parallel_size > 1:
+        """The last step of a build: with several processes the parameters become DTensors on the
+        tensor-parallel mesh (see :mod:`oslo.parallel.dtensor`), at tensor_parallel_size 1 too, so that a
+        distributed checkpoint holds the same tensors, of the same shapes, at every layout."""
+        if self.parallel_context.world_size > 1:
             distribute_parameters(self, self.parallel_context)
 
     # ---- activation checkpointing ------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Shards that say what they are: at tensor parallelism every parameter of an oslo model is a PyTorch
-``DTensor`` on the tensor-parallel mesh, so torch's own tools (``clip_grad_norm_``, distributed
-checkpointing, ``full_tensor()``) see the whole model's tensors, not one rank's slice under a full name.
+"""Shards that say what they are: with several processes every parameter of an oslo model is a PyTorch
+``DTensor`` on the tensor-parallel mesh (of size 1 too, so that a distributed checkpoint holds the same
+tensors at every layout), and torch's own tools (``clip_grad_norm_``, distributed checkpointing, FSDP2,
+``full_tensor()``) see the whole model's tensors, not one rank's slice under a full name.
 
 The math stays oslo's. Each DTensor's local tensor is a view of a plain *storage* tensor — the layer's
 own shard, with the zero rows that pad a vocabulary to a multiple of the tensor-parallel size — and the
@@ -48,6 +49,7 @@ __all__ = [
     "local_named_parameters",
     "plain",
     "plain_leaves_module",
+    "trains_plain_leaves",
     "undistribute_parameters",
 ]
 
@@ -191,13 +193,32 @@ def _sync_plain_leaf(dt: DTensor) -> None:
         dt.grad = None
 
 
-def local(param: torch.Tensor) -> torch.Tensor:
+def _as_stored(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """A DTensor's local tensor in the layout the layer computes on: fused blocks flattened, the vocabulary
+    padded to ``ceil(V / tp)`` rows (differentiable; the padding is a copy, on the ranks that pad only)."""
+    if spec is None:
+        return tensor
+    if spec.chunks > 1 and tensor.dim() > spec.dim + 1 and tensor.size(spec.dim) == spec.chunks:
+        return tensor.flatten(spec.dim, spec.dim + 1)
+    if spec.kind == VOCAB and tensor.size(spec.dim) < spec.local_size:
+        shape = list(tensor.shape)
+        shape[spec.dim] = spec.local_size - tensor.size(spec.dim)
+        return torch.cat([tensor, tensor.new_zeros(shape)], dim=spec.dim)
+    return tensor
+
+
+def local(param: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
     """The tensor to compute on for ``param``: for a DTensor parameter, a view of its storage whose gradient
     reaches the DTensor (the storage itself without gradients, or once ``DistributedDataParallel`` trains
     the storages); anything else as it is. A layer's own parameters are swapped for these during its
-    forward; code that reads another module's parameter (a fused kernel taking ``c_proj.bias``) calls this."""
-    if not isinstance(param, DTensor) or not hasattr(param, "_oslo_storage"):
+    forward; code that reads another module's parameter (a fused kernel taking ``c_proj.bias``) calls this.
+
+    A DTensor that is not oslo's — the unsharded parameter ``fully_shard`` (FSDP2) gathers for the forward —
+    is computed on through ``to_local()``, put in the layer's layout by ``spec``, its ``parallel_specs`` entry."""
+    if not isinstance(param, DTensor):
         return param
+    if not hasattr(param, "_oslo_storage"):
+        return _as_stored(param.to_local(), spec)
     if param._oslo_plain_leaf:
         _sync_plain_leaf(param)
         return param._oslo_storage
@@ -208,9 +229,10 @@ def local(param: torch.Tensor) -> torch.Tensor:
 
 def _swap_in(module: nn.Module, args) -> None:
     swapped = []
+    specs = getattr(module, "parallel_specs", {})
     for name, param in module._parameters.items():
         if isinstance(param, DTensor):
-            module._parameters[name] = local(param)
+            module._parameters[name] = local(param, specs.get(name))
             swapped.append((name, param))
     module.__dict__.setdefault("_oslo_swapped", []).append(swapped)
 
@@ -257,7 +279,7 @@ def undistribute_parameters(model: nn.Module) -> bool:
     plain_leaves = False
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if isinstance(param, DTensor):
+            if isinstance(param, DTensor) and hasattr(param, "_oslo_storage"):
                 storage = param._oslo_storage
                 plain_leaves = plain_leaves or param._oslo_plain_leaf
                 if not param._oslo_plain_leaf:
@@ -309,11 +331,21 @@ class _PlainLeaves(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # Its own parameters only, the plain shards: not the model's DTensors (DDP skips those by the ignore
+        # list; an optimizer over model_ddp.parameters() must not see each weight twice).
+        return super().named_parameters(prefix, recurse=False, remove_duplicate=remove_duplicate)
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)
+
+
+def trains_plain_leaves(model: nn.Module) -> bool:
+    """Whether ``model``'s storages train in its DTensors' place (after :func:`plain_leaves_module`)."""
+    return any(isinstance(p, DTensor) and getattr(p, "_oslo_plain_leaf", False) for p in model.parameters())
 
 
 def plain_leaves_module(model: nn.Module) -> nn.Module:

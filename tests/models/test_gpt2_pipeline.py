@@ -251,8 +251,8 @@ def _data_parallel_accumulation(rank, world_size, path, wrap):
         reference(**{k: torch.cat([b[k] for b in batches]) for k in batches[0]}).loss.backward()
     theirs = {n: p.grad for n, p in reference.named_parameters()}
     theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
+    for name, grad in full_grads(model).items():  # the DTensors' whole gradients (tensor_parallel_size 1 here)
+        torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["plain", "ddp"])

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import oslo
 from tests.distributed import run_distributed
-from tests.helpers import full_params, save_reference, tiny_gpt2_config
+from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
 
 LR = 0.5
 ROWS = 8  # the global batch; every layout below splits it into replicas and micro-batches
@@ -158,9 +158,9 @@ def _num_items(rank, world_size, path):
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected).detach())
     sum(expected).backward()
     theirs = {n: p.grad for n, p in reference.named_parameters()}
-    for name, param in model.named_parameters():
+    for name, grad in full_grads(model).items():
         source = "transformer.wte.weight" if name == "lm_head.weight" else name
-        torch.testing.assert_close(param.grad, theirs[source], msg=name)
+        torch.testing.assert_close(grad, theirs[source], msg=name)
 
 
 def test_num_items_in_batch_is_honoured(checkpoints):

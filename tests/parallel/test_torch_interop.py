@@ -4,6 +4,8 @@ run on their models are right on oslo models — torch's ``clip_grad_norm_``, ``
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -108,3 +110,82 @@ def test_state_dict_is_self_describing_and_loads_at_the_same_layout(checkpoint):
         assert attributes["transformer.h.0.attn.c_proj.weight"] == (True, 0, 1)
         assert attributes["transformer.h.0.ln_1.weight"] == (False, -1, 1)
         assert before > 1e-3 and after == 0.0, (before, after)
+
+
+def _fsdp2_step(rank, world_size, path, tp):
+    """PyTorch's 2D recipe on an oslo model: fully_shard every block, then the model, over the dp mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    mpu = model.mpu
+    before = sum(p.to_local().numel() for p in model.parameters())
+    for block in model.transformer.h:
+        fully_shard(block, mesh=model.device_mesh["dp"])
+    fully_shard(model, mesh=model.device_mesh["dp"])
+    after = sum(p.to_local().numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    rows = ROWS // mpu.get_data_parallel_world_size()
+    start = mpu.get_data_parallel_rank() * rows
+    model(**{name: value[start:start + rows] for name, value in global_batch().items()}).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    state_elements = sum(v.to_local().numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    full = {name: value.flatten(-2) if ".c_attn." in name else value for name, value in full.items()}
+    return full, norm.full_tensor(), before, after, state_elements
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 2), (1, 4)], ids=["tp2-dp2", "tp1-dp4"])
+def test_fsdp2_composes_with_tensor_parallelism(checkpoint, tp, dp):
+    """fully_shard over model.device_mesh["dp"], stock clipping, AdamW: the weights of one process on the
+    global batch (the replicas' rows hold different numbers of label tokens); parameters and optimizer
+    state per rank are about 1/dp of the tensor-parallel shard."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    model(**global_batch()).loss.backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    expected = dict(model.named_parameters())
+    for full, norm, before, after, state_elements in run_distributed(_fsdp2_step, tp * dp, checkpoint, tp):
+        torch.testing.assert_close(norm, expected_norm)
+        for name, value in full.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source].detach(), msg=lambda m, n=name: f"{n}: {m}")
+        assert after <= 1.05 * before / dp, (before, after)  # FSDP2 pads each tensor to a multiple of dp rows
+        assert state_elements == 2 * after, (state_elements, after)  # exp_avg and exp_avg_sq of the shards
+
+
+def _accelerate_and_deepspeed_norms(rank, world_size, path):
+    """The gradient norm as accelerate's clip_grad_norm_ (what transformers' Trainer calls) and DeepSpeed's
+    engine (through mpu, on model.gpu_modules()'s plain shards, as the manual hands them to DeepSpeed) see it."""
+    import deepspeed
+    from accelerate import Accelerator
+    from deepspeed.runtime.utils import clip_grad_norm_ as deepspeed_clip_grad_norm_
+    from deepspeed.utils import groups
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size).train()
+    # DeepSpeed's communication layer over torch's gloo group; without its optional shared-memory kernel, a
+    # C++ extension it would compile on first use (a minute and a compiler), which collectives do not need.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    groups.mpu = model.mpu  # what deepspeed.initialize(mpu=model.mpu) sets
+    module = model.gpu_modules()
+    module(**global_batch()).loss.backward()
+    # The engine's clipping (ZeRO 0/1 select the same parameters: split ones on every rank, the others on
+    # model-parallel rank 0, by Megatron's attributes), on a copy of the gradients.
+    grads = [p.grad.clone() for p in module.parameters()]
+    deepspeed_norm = deepspeed_clip_grad_norm_(list(module.parameters()), MAX_NORM, mpu=model.mpu)
+    for p, grad in zip(module.parameters(), grads, strict=True):
+        p.grad.copy_(grad)
+    accelerate_norm = Accelerator(cpu=True).clip_grad_norm_(model.parameters(), MAX_NORM)
+    accelerate_norm = accelerate_norm.full_tensor() if isinstance(accelerate_norm, DTensor) else accelerate_norm
+    return torch.as_tensor(deepspeed_norm, dtype=torch.float32), accelerate_norm
+
+
+def test_accelerate_and_deepspeed_see_the_whole_model_norm(checkpoint):
+    """Before DTensor parameters and Megatron attributes, accelerate's norm was each rank's shard's (2.31 and
+    2.27 for 2.78) and DeepSpeed's counted replicated parameters once per rank."""
+    _, expected = reference_clipped_step(checkpoint)
+    for deepspeed_norm, accelerate_norm in run_distributed(_accelerate_and_deepspeed_norms, 2, checkpoint):
+        torch.testing.assert_close(deepspeed_norm, expected)
+        torch.testing.assert_close(accelerate_norm, expected)

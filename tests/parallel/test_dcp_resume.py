@@ -1,0 +1,168 @@
+"""Resume anywhere: PyTorch's documented checkpoint recipe, unchanged, on oslo models —
+``get_state_dict(model, optimizer, options=OPTIONS)`` -> ``torch.distributed.checkpoint.save``, then ``dcp.load`` ->
+``set_state_dict`` — saved at (tp, pp, dp) = (2, 2, 1) and resumed at other layouts continues as one
+process would: the weights after two more AdamW steps equal transformers' after the same three steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import full_params, save_reference, tiny_gpt2_config
+
+ROWS = 8
+LR = 1e-2
+# torch's option for pipelines: optimizer hyperparameters keyed by parameter name, not by group index (each
+# stage's group lists other parameters; unflattened, DCP would keep one stage's list for all of them).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    input_ids = torch.randint(3, 1001, (ROWS, 10), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    attention_mask[6, :5] = 0
+    return dict(input_ids=input_ids, attention_mask=attention_mask,
+                labels=input_ids.masked_fill(attention_mask == 0, -100))
+
+
+def optimizer_and_schedule(parameters):
+    # eps 1e-6, not 1e-8: Adam's update of a weight whose gradient is near zero is about +-lr whatever the
+    # gradient's size, so fp32 reduction-order noise (1e-9) in such a gradient would move the weight by lr;
+    # a larger eps keeps the update proportional to the gradient there, and the comparison exact.
+    optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=0.01, eps=1e-6)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(n_layer=4), path)
+    return str(path)
+
+
+def reference_steps(path: str, steps: int) -> dict[str, torch.Tensor]:
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    optimizer, schedule = optimizer_and_schedule(model.parameters())
+    for step in range(steps):
+        model(**batch(step)).loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, resume):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2).train()
+    mpu = model.mpu
+    dp = mpu.get_data_parallel_world_size()
+    call = model
+    if dp > 1 and pp == 1:
+        call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
+    optimizer, schedule = optimizer_and_schedule(model.parameters())
+    if resume:  # the recipe: the state dicts to fill, dcp.load, set_state_dict
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        state = {"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(), "step": -1}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=OPTIONS)
+        schedule.load_state_dict(state["schedule"])
+        assert state["step"] == first_step, state["step"]
+    rows = ROWS // dp
+    start = mpu.get_data_parallel_rank() * rows
+    for step in range(first_step, last_step):
+        sample = {name: value[start:start + rows] for name, value in batch(step).items()}
+        if pp == 1:
+            call(**sample).loss.backward()
+        else:
+            for micro_output in call(**sample):
+                micro_output.loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    if not resume:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(),
+                  "step": last_step}, checkpoint_id=directory)
+    return full_params(model)
+
+
+@pytest.fixture(scope="module")
+def saved(checkpoint, tmp_path_factory):
+    """One AdamW step at (tp, pp, dp) = (2, 2, 1), saved with DCP."""
+    directory = str(tmp_path_factory.mktemp("dcp") / "step1")
+    run_distributed(_train, 4, checkpoint, directory, 2, 2, 0, 1, False)
+    return directory
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 2), (2, 1), (4, 1), (1, 2)], ids=["2-2-1", "2-1-2", "4-1-1", "1-2-2"])
+def test_dcp_recipe_resumes_at_any_layout(checkpoint, saved, tp, pp):
+    expected = reference_steps(checkpoint, 3)
+    for params in run_distributed(_train, 4, checkpoint, saved, tp, pp, 1, 3, True):
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _wrapper_train(rank, world_size, path, directory, tp, pp, first_step, last_step, resume, fail_second_save):
+    """The loop above with oslo's wrapper: scheduler, step counter and random streams travel too."""
+    from oslo import checkpoint as ckpt
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2).train()
+    mpu = model.mpu
+    dp = mpu.get_data_parallel_world_size()
+    call = model
+    if dp > 1 and pp == 1:
+        call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
+    optimizer, schedule = optimizer_and_schedule(model.parameters())
+    if resume:
+        loaded = oslo.load_training_state(directory, model, optimizer, schedule)
+        assert loaded == {"step": first_step, "extra": {"tokens": 80 * first_step}}, loaded
+    rows = ROWS // dp
+    start = mpu.get_data_parallel_rank() * rows
+    for step in range(first_step, last_step):
+        sample = {name: value[start:start + rows] for name, value in batch(step).items()}
+        if pp == 1:
+            call(**sample).loss.backward()
+        else:
+            for micro_output in call(**sample):
+                micro_output.loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    if not resume:
+        oslo.save_training_state(directory, model, optimizer, schedule, step=last_step,
+                                 extra={"tokens": 80 * last_step})
+        if fail_second_save:  # a later save that dies before publishing leaves this one in place
+            ckpt._publish_hook = lambda step: (_ for _ in ()).throw(OSError("disk gone")) if step == "link" else None
+            try:
+                oslo.save_training_state(directory, model, optimizer, schedule, step=99, extra={"tokens": 0})
+            except Exception as exc:  # noqa: BLE001 - every rank must see the failure
+                assert "disk gone" in str(exc) or "rank 0" in str(exc), exc
+            else:
+                raise AssertionError("the failed save did not raise")
+            finally:
+                ckpt._publish_hook = None
+    return full_params(model)
+
+
+def test_training_state_wrapper_resumes_across_layouts(checkpoint, tmp_path):
+    """save_training_state at (2, 2, 1), a later save that fails before publishing, load_training_state at
+    (2, 1, 2): the first state comes back (step, extras, scheduler, AdamW state) and training continues as one
+    process would."""
+    directory = str(tmp_path / "state")
+    run_distributed(_wrapper_train, 4, checkpoint, directory, 2, 2, 0, 1, False, True)
+    expected = reference_steps(checkpoint, 3)
+    for params in run_distributed(_wrapper_train, 4, checkpoint, directory, 2, 1, 1, 3, True, False):
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
