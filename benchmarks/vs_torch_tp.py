@@ -190,7 +190,7 @@ def rank_main(rank: int, world_size: int, config, directory: str, batch: int, se
         loss = step()
         loss = loss.detach()
         losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-    grad_oslo = model.transformer.h[0].mlp.c_proj.weight.grad  # (inner_local, C), Conv1D layout
+    grad_oslo = model.transformer.h[0].mlp.c_proj.weight.grad.to_local()  # (inner_local, C), Conv1D layout
     grad_torch = reference.h[0].mlp.c_proj.weight.grad.to_local().t()
     grad_close = torch.allclose(grad_oslo, grad_torch, atol=1e-5, rtol=1e-4)
 

@@ -189,3 +189,21 @@ def test_accelerate_and_deepspeed_see_the_whole_model_norm(checkpoint):
     for deepspeed_norm, accelerate_norm in run_distributed(_accelerate_and_deepspeed_norms, 2, checkpoint):
         torch.testing.assert_close(deepspeed_norm, expected)
         torch.testing.assert_close(accelerate_norm, expected)
+
+
+def _fsdp2_with_pipelines(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2).train()
+    fully_shard(model, mesh=model.device_mesh["dp"])
+    batch = global_batch()
+    try:
+        next(iter(model(**batch)))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_fsdp2_with_pipelines_is_refused_on_every_rank(checkpoint):
+    for message in run_distributed(_fsdp2_with_pipelines, 4, checkpoint):
+        assert message is not None and "pipeline_parallel_size=2" in message and "DistributedDataParallel" in message
