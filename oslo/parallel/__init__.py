@@ -4,6 +4,7 @@ from oslo.parallel.agreement import InputMismatchError, agree_on_nonfinite_gradi
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import PeerLostError, PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import PipelineStageNormError
 from oslo.parallel.failure import ModelUnusableError
 from oslo.parallel.layers import (
     ColumnParallelEmbedding,
@@ -48,4 +49,5 @@ __all__ = [
     "RankFailedError",
     "ModelUnusableError",
     "PipelineAbortedError",
+    "PipelineStageNormError",
 ]

@@ -30,9 +30,11 @@ then on, and every gradient they receive is mirrored into the DTensor's ``.grad`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.utils.clip_grad as _clip_grad
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -49,6 +51,7 @@ __all__ = [
     "local_named_parameters",
     "plain",
     "plain_leaves_module",
+    "PipelineStageNormError",
     "trains_plain_leaves",
     "undistribute_parameters",
 ]
@@ -244,10 +247,46 @@ def _swap_out(module: nn.Module, args, output) -> None:
             module._parameters[name] = param
 
 
+class PipelineStageNormError(RuntimeError):
+    """torch's gradient norm was asked for the gradients of one pipeline stage: it cannot see the others."""
+
+
+def _refuse_stage_gradients(total_norm):
+    """torch's ``clip_grad_norm_`` / ``get_total_norm`` (through ``torch.nn.utils.clip_grad._get_total_norm``,
+    which every caller reaches: the Trainer, accelerate, a loop) wrapped so that the gradients of a pipeline
+    stage raise instead of giving that stage's norm (each stage would clip by its own factor, silently)."""
+
+    @functools.wraps(total_norm)
+    def checked(tensors, *args, **kwargs):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for tensor in tensors:
+            if isinstance(tensor, DTensor) and getattr(tensor.device_mesh, "_oslo_pipeline_stage", None):
+                raise PipelineStageNormError(
+                    f"torch's gradient norm (torch.nn.utils.clip_grad_norm_) was given the gradients of one "
+                    f"pipeline stage ({tensor.device_mesh._oslo_pipeline_stage}): it would return that stage's "
+                    "norm and clip every stage by a different factor. Clip with model.clip_grad_norm_(max_norm), "
+                    "which adds every stage's share and returns the whole model's norm on every rank."
+                )
+        return total_norm(tensors, *args, **kwargs)
+
+    checked._oslo_checks_stages = True
+    return checked
+
+
+def _install_stage_check() -> None:
+    if not getattr(_clip_grad._get_total_norm, "_oslo_checks_stages", False):
+        _clip_grad._get_total_norm = _refuse_stage_gradients(_clip_grad._get_total_norm)
+
+
 def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:
     """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh (see the module docstring).
-    The layers' plain parameters become the storages; tied parameters stay tied."""
+    The layers' plain parameters become the storages; tied parameters stay tied. With pipelines the mesh is
+    marked as a stage's, and torch's gradient norm refuses its gradients (:class:`PipelineStageNormError`)."""
     mesh = device_mesh(context)["tp"]
+    if context.pipeline_parallel_size > 1:
+        mesh._oslo_pipeline_stage = (
+            f"stage {context.pipeline_parallel_rank} of pipeline_parallel_size={context.pipeline_parallel_size}")
+        _install_stage_check()
     specs = parameter_specs(model)
     made: dict[int, nn.Parameter] = {}
     spec_of = {id(p): specs[name] for name, p in model.named_parameters()}

@@ -207,3 +207,26 @@ def _fsdp2_with_pipelines(rank, world_size, path):
 def test_fsdp2_with_pipelines_is_refused_on_every_rank(checkpoint):
     for message in run_distributed(_fsdp2_with_pipelines, 4, checkpoint):
         assert message is not None and "pipeline_parallel_size=2" in message and "DistributedDataParallel" in message
+
+
+def _stock_clip_with_pipelines(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2,
+                                                              tensor_parallel_size=2).train()
+    for micro_output in model(**global_batch()):
+        micro_output.loss.backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    except oslo.parallel.PipelineStageNormError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    return refused, model.clip_grad_norm_(MAX_NORM)
+
+
+def test_stock_clip_with_pipelines_is_refused_and_model_clip_is_right(checkpoint):
+    """At pipeline_parallel_size > 1 torch's function would see one stage's gradients: it raises on every rank
+    (before any collective), naming model.clip_grad_norm_, which gives the whole model's norm."""
+    _, expected = reference_clipped_step(checkpoint)
+    for refused, norm in run_distributed(_stock_clip_with_pipelines, 4, checkpoint):
+        assert refused is not None and "model.clip_grad_norm_" in refused and "pipeline_parallel_size=2" in refused
+        torch.testing.assert_close(norm, expected)
