@@ -34,6 +34,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.distributed.checkpoint.state_dict as _dcp_state_dict
 import torch.nn.utils.clip_grad as _clip_grad
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -273,20 +274,43 @@ def _refuse_stage_gradients(total_norm):
     return checked
 
 
-def _install_stage_check() -> None:
+def _optimizer_state_by_name(verify_options):
+    """torch's ``get_state_dict`` / ``set_state_dict`` (through ``_verify_options``, which both reach) with the
+    optimizer's hyperparameters keyed by parameter name for oslo models — torch's
+    ``flatten_optimizer_state_dict=True``, its setting for pipelines — at every layout, so that PyTorch's
+    recipe, unchanged, saves and resumes across pipeline layouts: unflattened, each stage's parameter group
+    lists other parameters under the same key, and DCP would keep one stage's list for all of them."""
+
+    @functools.wraps(verify_options)
+    def verified(model, *args, **kwargs):
+        info = verify_options(model, *args, **kwargs)
+        if is_distributed(model):
+            info.flatten_optimizer_state_dict = True
+        return info
+
+    verified._oslo_flattens = True
+    return verified
+
+
+def _install_torch_hooks() -> None:
+    """The two places where oslo adjusts torch's stock tools to oslo models (installed once, by the first
+    model with several processes; other models and tensors pass through unchanged)."""
     if not getattr(_clip_grad._get_total_norm, "_oslo_checks_stages", False):
         _clip_grad._get_total_norm = _refuse_stage_gradients(_clip_grad._get_total_norm)
+    verify = getattr(_dcp_state_dict, "_verify_options", None)
+    if verify is not None and not getattr(verify, "_oslo_flattens", False):
+        _dcp_state_dict._verify_options = _optimizer_state_by_name(verify)
 
 
 def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:
     """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh (see the module docstring).
     The layers' plain parameters become the storages; tied parameters stay tied. With pipelines the mesh is
     marked as a stage's, and torch's gradient norm refuses its gradients (:class:`PipelineStageNormError`)."""
+    _install_torch_hooks()
     mesh = device_mesh(context)["tp"]
     if context.pipeline_parallel_size > 1:
         mesh._oslo_pipeline_stage = (
             f"stage {context.pipeline_parallel_rank} of pipeline_parallel_size={context.pipeline_parallel_size}")
-        _install_stage_check()
     specs = parameter_specs(model)
     made: dict[int, nn.Parameter] = {}
     spec_of = {id(p): specs[name] for name, p in model.named_parameters()}

@@ -1,5 +1,5 @@
 """Resume anywhere: PyTorch's documented checkpoint recipe, unchanged, on oslo models —
-``get_state_dict(model, optimizer, options=OPTIONS)`` -> ``torch.distributed.checkpoint.save``, then ``dcp.load`` ->
+``get_state_dict(model, optimizer)`` -> ``torch.distributed.checkpoint.save``, then ``dcp.load`` ->
 ``set_state_dict`` — saved at (tp, pp, dp) = (2, 2, 1) and resumed at other layouts continues as one
 process would: the weights after two more AdamW steps equal transformers' after the same three steps."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 import oslo
@@ -18,9 +18,6 @@ from tests.helpers import full_params, save_reference, tiny_gpt2_config
 
 ROWS = 8
 LR = 1e-2
-# torch's option for pipelines: optimizer hyperparameters keyed by parameter name, not by group index (each
-# stage's group lists other parameters; unflattened, DCP would keep one stage's list for all of them).
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:
@@ -69,11 +66,10 @@ def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, res
         call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
     optimizer, schedule = optimizer_and_schedule(model.parameters())
     if resume:  # the recipe: the state dicts to fill, dcp.load, set_state_dict
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(), "step": -1}
         dcp.load(state, checkpoint_id=directory)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=OPTIONS)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         assert state["step"] == first_step, state["step"]
     rows = ROWS // dp
@@ -89,7 +85,7 @@ def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, res
         schedule.step()
         optimizer.zero_grad()
     if not resume:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=OPTIONS)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(),
                   "step": last_step}, checkpoint_id=directory)
     return full_params(model)
