@@ -56,27 +56,25 @@ def reference_steps(path: str, steps: int) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, resume):
+def _build(path, tp, pp):
+    """The model at (tp, pp), what the loop calls (DDP at pp=1 with replicas), its optimizer and schedule."""
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2).train()
     mpu = model.mpu
-    dp = mpu.get_data_parallel_world_size()
     call = model
-    if dp > 1 and pp == 1:
+    if mpu.get_data_parallel_world_size() > 1 and pp == 1:
         call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
-    optimizer, schedule = optimizer_and_schedule(model.parameters())
-    if resume:  # the recipe: the state dicts to fill, dcp.load, set_state_dict
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(), "step": -1}
-        dcp.load(state, checkpoint_id=directory)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        assert state["step"] == first_step, state["step"]
-    rows = ROWS // dp
+    return model, call, *optimizer_and_schedule(model.parameters())
+
+
+def _steps(model, call, optimizer, schedule, first_step, last_step):
+    """The manual's loop over steps [first_step, last_step): the replica's rows, every micro-batch's loss."""
+    mpu = model.mpu
+    rows = ROWS // mpu.get_data_parallel_world_size()
     start = mpu.get_data_parallel_rank() * rows
     for step in range(first_step, last_step):
         sample = {name: value[start:start + rows] for name, value in batch(step).items()}
-        if pp == 1:
+        if mpu.get_pipeline_parallel_world_size() == 1:
             call(**sample).loss.backward()
         else:
             for micro_output in call(**sample):
@@ -84,6 +82,18 @@ def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, res
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
+
+
+def _train(rank, world_size, path, directory, tp, pp, first_step, last_step, resume):
+    model, call, optimizer, schedule = _build(path, tp, pp)
+    if resume:  # the recipe: the state dicts to fill, dcp.load, set_state_dict
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(), "step": -1}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        assert state["step"] == first_step, state["step"]
+    _steps(model, call, optimizer, schedule, first_step, last_step)
     if not resume:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state, "schedule": schedule.state_dict(),
@@ -112,29 +122,11 @@ def _wrapper_train(rank, world_size, path, directory, tp, pp, first_step, last_s
     """The loop above with oslo's wrapper: scheduler, step counter and random streams travel too."""
     from oslo import checkpoint as ckpt
 
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2).train()
-    mpu = model.mpu
-    dp = mpu.get_data_parallel_world_size()
-    call = model
-    if dp > 1 and pp == 1:
-        call = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
-    optimizer, schedule = optimizer_and_schedule(model.parameters())
+    model, call, optimizer, schedule = _build(path, tp, pp)
     if resume:
         loaded = oslo.load_training_state(directory, model, optimizer, schedule)
         assert loaded == {"step": first_step, "extra": {"tokens": 80 * first_step}}, loaded
-    rows = ROWS // dp
-    start = mpu.get_data_parallel_rank() * rows
-    for step in range(first_step, last_step):
-        sample = {name: value[start:start + rows] for name, value in batch(step).items()}
-        if pp == 1:
-            call(**sample).loss.backward()
-        else:
-            for micro_output in call(**sample):
-                micro_output.loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
+    _steps(model, call, optimizer, schedule, first_step, last_step)
     if not resume:
         oslo.save_training_state(directory, model, optimizer, schedule, step=last_step,
                                  extra={"tokens": 80 * last_step})
