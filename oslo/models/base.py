@@ -751,7 +751,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         gradients over the replicas itself after the last micro-batch (DDP would after the first): a
         wrapped model works as well, and DDP's ``no_sync()`` still skips the averaging.
 
-        At tensor parallelism the parameters are DTensors, which DDP cannot reduce: the module returned
+        With several processes the parameters are DTensors, which DDP cannot reduce: the module returned
         calls this model and holds this rank's plain shards (Megatron attributes set) as its parameters;
         from then on the model trains those, and each gradient they get is mirrored into its DTensor's
         ``.grad`` (same memory). Build the optimizer over ``model.parameters()`` (DTensors: stock clipping
@@ -773,8 +773,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def state_dict(self, *args, **kwargs):
-        """This rank's parameters under the full model's names, as ``nn.Module.state_dict``. With tensor
-        parallelism every parameter is a DTensor that says how it is split: ``.full_tensor()`` gives the
+        """This rank's parameters under the full model's names, as ``nn.Module.state_dict``. With several
+        processes every parameter is a DTensor that says how it is split: ``.full_tensor()`` gives the
         whole weight (GPT2's fused ``c_attn`` is seen as ``(..., 3, size / 3)``: ``.flatten(-2)`` for
         transformers' shape), ``torch.distributed.checkpoint`` saves and reshards it, and
         ``load_state_dict`` of such a dict works at the same layout. With pipelines only this stage's weights

@@ -83,7 +83,7 @@ def plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def is_distributed(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are DTensors (built at tensor_parallel_size > 1)."""
+    """Whether ``model``'s parameters are DTensors (built with several processes)."""
     return bool(model.__dict__.get("_oslo_distributed", False))
 
 
