@@ -2,6 +2,7 @@
 
 from transformers import BertConfig, GPT2Config, GPTNeoConfig, T5Config
 
+from oslo.conversion import convert_state_dict
 from oslo.data import (
     DatasetBlender,
     DatasetForCausalLM,
@@ -123,6 +124,7 @@ __all__ = [
     "T5Stack",
     "ParallelContext",
     "save_training_state",
+    "convert_state_dict",
     "load_training_state",
     "DatasetPreprocessor",
     "DatasetForCausalLM",
