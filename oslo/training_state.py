@@ -4,9 +4,10 @@
 The parameters of a parallel model are DTensors (see :mod:`oslo.parallel.dtensor`), so PyTorch's own recipe
 works unchanged; these two functions are that recipe with what a training loop also needs:
 
-* the optimizer's hyperparameters keyed by parameter name (``flatten_optimizer_state_dict=True``, torch's
-  setting for pipelines: each stage's parameter group lists other parameters);
 * the scheduler, a step counter and ``extra`` values of the caller's;
+* a state saved without pipelines resumes with them: the last stage's copy of a tied weight reads its
+  optimizer state from the tie's source;
+* non-tensor values unpickled with ``weights_only=True`` (DCP's default planner does not);
 * the random streams: the replicated stream (the same on every rank) is restored at any layout; the split
   stream and torch's own generators only at the layout that saved them (they are per-rank and have no
   meaning on another layout);
@@ -103,8 +104,8 @@ def save_training_state(directory: str | os.PathLike, model: nn.Module, optimize
     """Save the training state of ``model`` (an oslo model) and ``optimizer`` to ``directory`` with DCP.
 
     Collective: every rank of the model calls it. Loads at any (tp, pp, dp) layout with
-    :func:`load_training_state`, or with PyTorch's ``dcp.load`` and ``set_state_dict``
-    (``options=StateDictOptions(flatten_optimizer_state_dict=True)``) under the key ``"model"`` / ``"optimizer"``.
+    :func:`load_training_state`, or with PyTorch's recipe (``get_state_dict``, ``dcp.load``, ``set_state_dict``)
+    under the keys ``"model"`` and ``"optimizer"``.
 
     Args:
         directory: The checkpoint directory (replaced atomically when it exists).
