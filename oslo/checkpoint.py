@@ -83,11 +83,12 @@ def split_file_name(tensor_parallel_rank: int, pipeline_parallel_rank: int, safe
 class Checkpoint:
     """What a checkpoint directory holds. Built identically on every rank from the file system."""
 
-    directory: str
-    kind: str  # "split", "safetensors" or "bin"
+    directory: str  # for kind "memory": a few words naming where the tensors come from
+    kind: str  # "split", "safetensors", "bin", or "memory" (``state_dict`` holds the full tensors)
     files: list[str]
     split_index: dict | None = None
     manifest: dict | None = None  # oslo_checkpoint.json of a merged save
+    state_dict: dict | None = None  # kind "memory": {name: full (unsplit) tensor}
 
     @property
     def layout(self) -> tuple[int, int] | None:
@@ -238,6 +239,28 @@ class _TensorSource:
         if dim is None:
             return tensor
         return tensor.narrow(dim, start, stop - start).clone()
+
+
+class _MemorySource:
+    """The :class:`_TensorSource` interface over an in-memory state dict of full tensors (``oslo.initialize``)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self._tensors = state_dict
+
+    def keys(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensors[key].dtype
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        tensor = self._tensors[key]
+        if dim is None:
+            return tensor
+        return tensor.narrow(dim, start, stop - start)
 
 
 def _safe_open(path: str):
@@ -454,6 +477,8 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
                               checkpoint.files[0].endswith(".safetensors"))
         _verify_split_file(checkpoint, own, context.tensor_parallel_rank, context.pipeline_parallel_rank)
         source = _TensorSource(checkpoint.directory, [own], "split")
+    elif checkpoint.kind == "memory":
+        source = _MemorySource(checkpoint.state_dict)
     else:
         _verify_merged_files(checkpoint, context)
         source = _TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
