@@ -10,6 +10,7 @@ from oslo.data import (
     DistributedProxySampler,
     InfiniteDataLoader,
 )
+from oslo.initialization import initialize
 from oslo.models import (
     GPT2MLP,
     BertAttention,
@@ -63,6 +64,7 @@ from oslo.models import (
     T5Stack,
 )
 from oslo.parallel import ParallelContext, clip_grad_norm_
+from oslo.reshard import reshard_checkpoint
 from oslo.training_state import load_training_state, save_training_state
 
 __version__ = "0.1.0.dev0"
@@ -125,6 +127,7 @@ __all__ = [
     "ParallelContext",
     "save_training_state",
     "convert_state_dict",
+    "reshard_checkpoint",
     "load_training_state",
     "DatasetPreprocessor",
     "DatasetForCausalLM",
@@ -132,4 +135,5 @@ __all__ = [
     "DistributedProxySampler",
     "InfiniteDataLoader",
     "clip_grad_norm_",
+    "initialize",
 ]

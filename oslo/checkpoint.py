@@ -7,7 +7,11 @@ Two formats:
   (``safe_open(...).get_slice``), so no rank holds the full model.
 * **split**: one ``model_tp={t}_pp={p}.safetensors`` per model-parallel rank with this rank's local
   tensors, plus ``model_parallel.index.json`` recording the layout, global shapes, dtypes and which
-  tensors each file holds. Loading it needs the same layout; each rank reads only its own file.
+  tensors each file holds. At the layout that saved it each rank reads only its own file; at any other
+  layout (or stage partition) each rank reads the slices of the saved files that make up its own
+  (:class:`_SplitSource`). The original OSLO's split files (``pytorch_model_tp_0_pp_0.bin``,
+  ``pytorch_model_tp=0_pp=0.bin``, without an index) load through the same path once
+  :func:`complete_legacy_index` has described them.
 
 Every weight operation goes through the :class:`~oslo.parallel.plan.ShardSpec` of the parameter.
 
@@ -35,7 +39,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
@@ -52,13 +55,15 @@ WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 MANIFEST_NAME = "oslo_checkpoint.json"  # sizes and SHA-256 of a merged save's files
 _SPLIT_FILE_RE = re.compile(r"^(model|pytorch_model)_tp=\d+_pp=\d+\.(safetensors|bin)$")
+# A split file's ranks, in oslo's names and in the original OSLO's (``pytorch_model_tp_0_pp_0.bin``).
+_SPLIT_RANKS_RE = re.compile(r"^(?:model|pytorch_model)_tp[=_](\d+)_pp[=_](\d+)\.(?:safetensors|bin)$")
 _MERGED_FILE_RE = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin|"
     r"model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json)$"
 )
 # Weight files a save replaces: a directory holds one checkpoint (split or merged) at a time.
 _OWNED_FILE_RE = re.compile(
-    f"{_SPLIT_FILE_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$|^{re.escape(MANIFEST_NAME)}$"
+    f"{_SPLIT_RANKS_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$|^{re.escape(MANIFEST_NAME)}$"
 )
 _LEGACY_STAGING_NAME = ".oslo-saving"  # earlier oslo versions staged inside the target: never carried over
 
@@ -89,6 +94,7 @@ class Checkpoint:
     split_index: dict | None = None
     manifest: dict | None = None  # oslo_checkpoint.json of a merged save
     state_dict: dict | None = None  # kind "memory": {name: full (unsplit) tensor}
+    legacy: bool = False  # split files without an index (the original OSLO's): see complete_legacy_index
 
     @property
     def layout(self) -> tuple[int, int] | None:
@@ -142,6 +148,9 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
     for name, kind in ((SAFE_WEIGHTS_NAME, "safetensors"), (WEIGHTS_NAME, "bin")):
         if os.path.isfile(path(name)):
             return Checkpoint(directory, kind, [name], manifest=manifest)
+    legacy = sorted(name for name in os.listdir(directory) if _SPLIT_RANKS_RE.match(name))
+    if legacy:
+        return Checkpoint(directory, "split", legacy, legacy=True)
     raise FileNotFoundError(
         f"no weights found in {directory!r}: expected {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, "
         f"{WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} or a split checkpoint ({SPLIT_INDEX_NAME})."
@@ -175,18 +184,64 @@ def _require_files(directory: str, files: list[str], index_name: str) -> None:
         )
 
 
-def check_split_layout(checkpoint: Checkpoint, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Refuse a split checkpoint whose layout differs from the requested one."""
-    if checkpoint.kind != "split" or checkpoint.layout == (tensor_parallel_size, pipeline_parallel_size):
+def _file_ranks(name: str) -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline-parallel rank) of a split file, from its name."""
+    found = _SPLIT_RANKS_RE.match(name)
+    return int(found.group(1)), int(found.group(2))
+
+
+def complete_legacy_index(checkpoint: Checkpoint, model_class: type, config) -> None:
+    """Describe split files that have no index (the original OSLO's ``pytorch_model_tp_0_pp_0.bin``): the layout
+    from the files' names, each tensor's split from ``model_class`` planned on the meta device at that
+    tensor-parallel size, global shapes from the files' local ones. Files are read with ``weights_only=True``.
+
+    Raises:
+        ValueError: The files do not form a layout (a missing rank), or hold a tensor ``model_class`` lacks or
+            one whose local shape is not the slice of the model's.
+    """
+    if not checkpoint.legacy or checkpoint.split_index is not None:
         return
-    saved_tp, saved_pp = checkpoint.layout
-    raise ValueError(
-        f"{checkpoint.directory!r} is a split checkpoint saved with tensor_parallel_size={saved_tp}, "
-        f"pipeline_parallel_size={saved_pp}, but the model was requested with tensor_parallel_size="
-        f"{tensor_parallel_size}, pipeline_parallel_size={pipeline_parallel_size}. Load it with the saved "
-        "layout, or save it merged (save_pretrained_with_parallel(..., save_with_merging=True)) and load "
-        "the merged checkpoint with any layout."
-    )
+    from oslo.conversion import _specs_by_name  # noqa: PLC0415 - conversion imports this module
+
+    ranks = {_file_ranks(name): name for name in checkpoint.files}
+    tp = 1 + max(t for t, _ in ranks)
+    pp = 1 + max(p for _, p in ranks)
+    absent = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in ranks]
+    if absent:
+        raise ValueError(
+            f"the split files of {checkpoint.directory!r} ({checkpoint.files}) do not form a layout: "
+            f"tensor_parallel_size={tp}, pipeline_parallel_size={pp} from their names, but the files of (tp, pp) "
+            f"ranks {absent} are missing."
+        )
+    model, specs = _specs_by_name(model_class, config, tp, 0)
+    prefix = getattr(model, "base_model_prefix", "")
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters(remove_duplicate=False)}
+    tensors, files = {}, {}
+    for (t, _), name in sorted(ranks.items()):
+        source = _TensorSource(checkpoint.directory, [name], "bin" if name.endswith(".bin") else "safetensors")
+        files[name] = sorted(source.keys())
+        if t != 0:
+            continue
+        for key in sorted(source.keys()):
+            param = _resolve_key(key, set(specs), prefix)
+            if param is None:
+                raise ValueError(f"{os.path.join(checkpoint.directory, name)} holds {key!r}, which is no parameter "
+                                 f"of {model_class.__name__}: load it with the class that saved it.")
+            spec = specs[param]
+            local = source.shape(key)
+            if local != shapes[param]:
+                raise ValueError(
+                    f"{key!r} in {os.path.join(checkpoint.directory, name)} has shape {list(local)}, but the slice "
+                    f"of tensor-parallel rank 0 of {tp} of {model_class.__name__} with this config has "
+                    f"{list(shapes[param])}."
+                )
+            tensors[key] = {
+                "shape": list(spec.global_shape(local) if spec is not None else local),
+                "dtype": str(source.dtype(key)).removeprefix("torch."),
+                "split": None if spec is None else {"kind": spec.kind, "dim": spec.dim, "chunks": spec.chunks},
+            }
+    checkpoint.split_index = {"format": "oslo-split", "version": 0, "tensor_parallel_size": tp,
+                              "pipeline_parallel_size": pp, "tensors": tensors, "files": files, "tied": {}}
 
 
 class _TensorSource:
@@ -261,6 +316,72 @@ class _MemorySource:
         if dim is None:
             return tensor
         return tensor.narrow(dim, start, stop - start)
+
+
+class _SplitSource:
+    """The :class:`_TensorSource` interface over a whole split checkpoint, at its global (unsplit) shapes: a read
+    of rows ``[start, stop)`` along a tensor's split dimension reads, from each saved rank's file, only the part
+    of its slice that falls in them. Loading at another layout or stage partition, and resharding, go through it.
+    Files are opened on first use."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        index = checkpoint.split_index
+        self._directory = checkpoint.directory
+        self._tp = index["tensor_parallel_size"]
+        self._tensors = index["tensors"]
+        self._tied: dict[str, str] = index.get("tied") or {}  # {copy: source}
+        self._names = {_file_ranks(name): name for name in checkpoint.files}
+        self._stage: dict[str, int] = {}
+        for name, keys in sorted(index["files"].items()):
+            tp_rank, stage = _file_ranks(name)
+            if tp_rank == 0:
+                for key in keys:
+                    self._stage.setdefault(key, stage)
+        self._files: dict[tuple[int, int], _TensorSource] = {}
+
+    def _file(self, tp_rank: int, stage: int) -> _TensorSource:
+        if (tp_rank, stage) not in self._files:
+            name = self._names[(tp_rank, stage)]
+            self._files[(tp_rank, stage)] = _TensorSource(self._directory, [name], "split")
+        return self._files[(tp_rank, stage)]
+
+    def keys(self) -> set[str]:
+        """Every saved tensor but the copies of tied weights (the tie source is saved)."""
+        return {key for key in self._tensors if self._tied.get(key) not in self._tensors}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return getattr(torch, self._tensors[key]["dtype"])
+
+    def _spec(self, key: str, rank: int) -> ShardSpec:
+        split = self._tensors[key]["split"]
+        return ShardSpec(split["kind"], split["dim"], self._tensors[key]["shape"][split["dim"]], self._tp, rank,
+                         split.get("chunks", 1))
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stage = self._stage[key]
+        split = self._tensors[key]["split"]
+        if split is None:
+            return self._file(0, stage).read(key, dim, start, stop)
+        if dim is None or dim != split["dim"]:
+            full = self._specs_merge(key, stage)
+            return full if dim is None else full.narrow(dim, start, stop - start)
+        pieces = []
+        for rank in range(self._tp):
+            offset = 0  # where the current range starts in the rank's local tensor
+            for first, last, padding in self._spec(key, rank).ranges():
+                low, high = max(first, start), min(last, stop)
+                if low < high:
+                    pieces.append((low, self._file(rank, stage).read(key, dim, offset + low - first,
+                                                                     offset + high - first)))
+                offset += last - first + padding
+        pieces.sort(key=lambda piece: piece[0])
+        return torch.cat([piece for _, piece in pieces], dim=dim) if len(pieces) > 1 else pieces[0][1]
+
+    def _specs_merge(self, key: str, stage: int) -> torch.Tensor:
+        return self._spec(key, 0).merge([self._file(rank, stage).read(key) for rank in range(self._tp)])
 
 
 def _safe_open(path: str):
@@ -472,20 +593,23 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
     parameters it initialized because the checkpoint lacks them)."""
     context: ParallelContext = model.parallel_context
     specs = parameter_specs(model)
-    if checkpoint.kind == "split":
-        own = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank,
-                              checkpoint.files[0].endswith(".safetensors"))
+    prefix = getattr(model, "base_model_prefix", "")
+    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
+    own = _own_split_file(model, checkpoint, prefix, twins) if checkpoint.kind == "split" and not allow_vocab_resize \
+        else None
+    if own is not None:  # saved at this layout and partition: this rank's file holds its tensors as they are
         _verify_split_file(checkpoint, own, context.tensor_parallel_rank, context.pipeline_parallel_rank)
         source = _TensorSource(checkpoint.directory, [own], "split")
+    elif checkpoint.kind == "split":  # another layout: read this rank's slices out of the saved ones
+        for name in checkpoint.files[context.rank :: context.world_size]:
+            _verify_split_file(checkpoint, name, *_file_ranks(name))
+        source = _SplitSource(checkpoint)
     elif checkpoint.kind == "memory":
         source = _MemorySource(checkpoint.state_dict)
     else:
         _verify_merged_files(checkpoint, context)
         source = _TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
     keys = source.keys()
-    prefix = getattr(model, "base_model_prefix", "")
-    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
-    saved = set(checkpoint.split_index["tensors"]) if checkpoint.kind == "split" else set()  # every rank's
     used, missing = set(), []
 
     with torch.no_grad():
@@ -495,17 +619,10 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
             key = _resolve_key(name, keys, prefix)
             if key is None and name in twins:  # lm_head.weight on the last stage: read the tied wte
                 key = _resolve_key(twins[name], keys, prefix)
-            if key is None and checkpoint.kind == "split" and _resolve_key(name, saved, prefix) is not None:
-                raise ValueError(
-                    f"{name!r} is in the split checkpoint {checkpoint.directory!r} but not in this rank's file "
-                    f"{own!r}: it was saved with another assignment of layers to pipeline stages (an older "
-                    "oslo, or another model class). Load it with the oslo and class that saved it and save it "
-                    "with save_with_merging=True; a merged checkpoint loads at any layout."
-                )
             if key is None:
                 missing.append(name)
                 value = init_missing(name, spec, global_shape)
-            elif checkpoint.kind == "split":
+            elif own is not None:
                 value = source.read(key)
                 _check_shape(checkpoint, key, tuple(value.shape), tuple(param.shape), "local ")
             else:
@@ -515,6 +632,21 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
             param.copy_(value)
             used.add(key)
     return keys, used, missing
+
+
+def _own_split_file(model, checkpoint: Checkpoint, prefix: str, twins: dict[str, str]) -> str | None:
+    """This rank's file of a split checkpoint saved at the model's layout, if it holds every tensor of the rank
+    (else ``None``: another layout, or another assignment of layers to stages, reads through :class:`_SplitSource`)."""
+    context: ParallelContext = model.parallel_context
+    if checkpoint.legacy or checkpoint.layout != (context.tensor_parallel_size, context.pipeline_parallel_size):
+        return None
+    own = split_file_name(context.tensor_parallel_rank, context.pipeline_parallel_rank,
+                          checkpoint.files[0].endswith(".safetensors"))
+    held = set(checkpoint.split_index["files"].get(own, ()))
+    for name, _ in local_named_parameters(model):
+        if _resolve_key(name, held, prefix) is None and _resolve_key(twins.get(name, name), held, prefix) is None:
+            return None
+    return own
 
 
 def _rows(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -785,11 +917,58 @@ def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
 def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool,
            save_function: Callable[[dict, str], None] | None = None, metadata: dict[str, str] | None = None) -> None:
     """Write a weight file; ``metadata`` goes into a safetensors header (``.bin`` files have none)."""
-    tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     if safe_serialization:
-        save_file(tensors, path, metadata={"format": "pt", **(metadata or {})})
+        write_safetensors(path, [(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
+                                 for name, tensor in tensors.items()], metadata)
     else:
-        (save_function or torch.save)(tensors, path)
+        (save_function or torch.save)({name: tensor.contiguous() for name, tensor in tensors.items()}, path)
+
+
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]],
+                      metadata: dict[str, str] | None = None) -> dict:
+    """Write a safetensors file one tensor at a time: ``tensors`` lists ``(name, dtype, shape, make)`` and
+    ``make()`` is called when the tensor's bytes are due, so only one tensor is in memory at a time. Returns the
+    file's ``{"size", "sha256"}``, hashed as it is written; the file is flushed to disk (``fsync``).
+
+    The bytes depend only on the tensors and ``metadata`` (``"format": "pt"`` added, as transformers expects): the
+    header lists the metadata sorted and the tensors in file order, largest element size first then by name (each
+    tensor aligned to its element size). safetensors' own ``save_file`` orders the metadata by hash, so two saves
+    of the same tensors differ; these files are reproducible, and a resharded checkpoint is byte for byte the
+    one a save at that layout writes.
+    """
+    order = sorted(tensors, key=lambda entry: (-entry[1].itemsize, entry[0]))
+    header: dict = {"__metadata__": dict(sorted({"format": "pt", **(metadata or {})}.items()))}
+    offset = 0
+    for name, dtype, shape, _ in order:
+        size = dtype.itemsize
+        for extent in shape:
+            size *= extent
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    sha = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(text).to_bytes(8, "little"), text):
+            f.write(chunk)
+            sha.update(chunk)
+        for name, dtype, shape, make in order:
+            tensor = make()
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{name!r} was announced as {dtype} {list(shape)} but is {tensor.dtype} "
+                                 f"{list(tensor.shape)}")
+            if tensor.numel():
+                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+                f.write(data)
+                sha.update(data)
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": 8 + len(text) + offset, "sha256": sha.hexdigest()}
 
 
 def _save_config(model, directory: str) -> None:

@@ -62,20 +62,6 @@ def test_split_round_trip(lm_checkpoint, tmp_path, tp):
     torch.testing.assert_close(logits[0], _reference_logits(lm_checkpoint))
 
 
-def _load_expecting_layout_error(rank, world_size, path):
-    with pytest.raises(ValueError) as info:
-        oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
-    message = str(info.value)
-    assert "tensor_parallel_size=2" in message and f"tensor_parallel_size={world_size}" in message
-    assert "save_with_merging=True" in message
-
-
-def test_split_checkpoint_with_other_layout_is_refused(lm_checkpoint, tmp_path):
-    run_distributed(_save, 2, lm_checkpoint, str(tmp_path), False, {})
-    run_distributed(_load_expecting_layout_error, 4, str(tmp_path))
-    run_distributed(_load_expecting_layout_error, 1, str(tmp_path))
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_merged_checkpoint_loads_in_plain_transformers(lm_checkpoint, tmp_path, tp):
     run_distributed(_save, tp, lm_checkpoint, str(tmp_path), True, {})

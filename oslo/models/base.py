@@ -22,6 +22,7 @@ from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
+from oslo import hub
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models.body import StagedBody
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
@@ -1022,10 +1023,19 @@ class OsloPreTrainedModel(PreTrainedModel):
 
         Reads a merged Hugging Face checkpoint (safetensors, sharded or not, or ``pytorch_model.bin``
         loaded with ``weights_only=True``) or a split checkpoint written by
-        :meth:`save_pretrained_with_parallel` with the same layout.
+        :meth:`save_pretrained_with_parallel` at any layout (at another one, each rank reads the parts of
+        the saved slices that make up its own), or the original OSLO's split files
+        (``pytorch_model_tp_0_pp_0.bin``).
+
+        A name that is not a local path (``"gpt2"``, ``"org/name"``) is resolved through the Hugging Face cache
+        as transformers' ``from_pretrained`` resolves it (downloading what is missing; offline, with
+        ``HF_HUB_OFFLINE=1`` or ``local_files_only=True``, only the cache is read): one process per machine
+        (``LOCAL_RANK`` 0) downloads, the others wait for it and read the cache, and a failure raises on every
+        rank. See :mod:`oslo.hub`.
 
         Args:
-            pretrained_model_name_or_path: Directory of the checkpoint.
+            pretrained_model_name_or_path: Directory of the checkpoint, or a Hub repository id (a path that
+                exists wins, as in transformers).
             tensor_parallel_size: Ranks each layer is split across (must divide the attention heads).
             pipeline_parallel_size: Pipeline stages (contiguous ranges of blocks).
             micro_batch_size: Micro-batch size of pipeline parallelism (no effect without it).
@@ -1039,6 +1049,11 @@ class OsloPreTrainedModel(PreTrainedModel):
                 (``timedelta`` or seconds; default 10 minutes). See :class:`~oslo.parallel.ParallelContext`.
             config: The model's config, instead of the directory's ``config.json`` (as in transformers;
                 needed for a checkpoint saved with ``save_config=False``).
+            revision, cache_dir, token, local_files_only, force_download, proxies, subfolder: For a Hub
+                name, as in transformers: the branch, tag or commit (default ``"main"``), the cache (default
+                ``HF_HUB_CACHE``), the token of a private or gated repository, reading the cache only,
+                downloading again, proxies (huggingface_hub ignores them: set ``HTTPS_PROXY``), and the
+                repository's folder holding the checkpoint (``subfolder`` also applies to a local directory).
             **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
 
         Returns:
@@ -1047,7 +1062,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
         pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
+        hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
         path = os.fspath(pretrained_model_name_or_path)
+        context = None
+        if hub.is_hub_name(path):  # every rank resolves it together: the context comes first
+            context = cls._context(parallel_context, tp, pp, seed, timeout)
+        path = hub.resolve_checkpoint(path, context, **hub_options)
         checkpoint = ckpt.inspect_checkpoint(path)
         config, unused = cls._load_config(path, config, kwargs)
         if unused:
@@ -1055,20 +1075,16 @@ class OsloPreTrainedModel(PreTrainedModel):
                 f"{cls.__name__}.from_pretrained_with_parallel got unexpected keyword argument(s) "
                 f"{sorted(unused)}: they are neither oslo options nor attributes of {type(config).__name__}."
             )
-        ckpt.check_split_layout(checkpoint, tp, pp)
+        ckpt.complete_legacy_index(checkpoint, cls, config)  # the original OSLO's split files: no index
         if resize_token_embeddings is not None:
-            if checkpoint.kind == "split":
-                raise NotImplementedError(
-                    "resize_token_embeddings is supported when loading merged checkpoints only; save this "
-                    "checkpoint with save_with_merging=True first."
-                )
             config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
         cls._validate_parallel_config(config, tp)
         if dtype in (None, "auto"):
             dtype = getattr(config, "dtype", None) or ckpt.checkpoint_dtype(checkpoint) or torch.float32
             dtype = _resolve_dtype(dtype, None)
 
-        context = cls._context(parallel_context, tp, pp, seed, timeout)
+        if context is None:
+            context = cls._context(parallel_context, tp, pp, seed, timeout)
         model = cls._build(config, context, dtype, attn_implementation)
         model.set_micro_batch_size(micro_batch_size)
         ckpt.load_checkpoint(
@@ -1110,6 +1126,47 @@ class OsloPreTrainedModel(PreTrainedModel):
             else:
                 unused[name] = value
         return config, unused
+
+    @classmethod
+    def _from_state_dict_with_parallel(
+        cls,
+        config: PretrainedConfig,
+        state_dict: dict[str, torch.Tensor],
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        dtype: torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        source: str = "the given state dict",
+    ):
+        """The model split across ranks, each rank copying only its slices of ``state_dict`` (full tensors under
+        transformers' names, e.g. a transformers model's parameters: :func:`oslo.initialize`). Parameters the
+        dict lacks are initialized from the seed, with a warning naming them (as a checkpoint load does).
+
+        Args:
+            config: The model's config (copied; the caller's stays as it was).
+            state_dict: ``{name: full tensor}``; every rank reads only its slices of it.
+            dtype: Parameter dtype (default float32).
+            source: A few words naming where the tensors come from, for messages.
+
+        Returns:
+            The model, in training mode (set the mode you need).
+        """
+        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
+        pp = _validate_pipeline_size(cls, pipeline_parallel_size, 1)
+        dtype = _resolve_dtype(dtype, None)
+        dtype = torch.float32 if dtype in (None, "auto") else dtype
+        if not isinstance(config, cls.config_class):
+            raise TypeError(
+                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}."
+            )
+        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
+        cls._validate_parallel_config(config, tp)
+        context = cls._context(None, tp, pp, None)
+        model = cls._build(config, context, dtype, attn_implementation)
+        checkpoint = ckpt.Checkpoint(directory=source, kind="memory", files=[], state_dict=state_dict)
+        ckpt.load_checkpoint(model, checkpoint, model._seeded_local_init)
+        model._distribute()
+        return model
 
     @staticmethod
     def _context(
@@ -1188,3 +1245,53 @@ class OsloPreTrainedModel(PreTrainedModel):
             ckpt.save_merged(self, directory, safe_serialization, size, save_config, save_function)
         else:
             ckpt.save_split(self, directory, safe_serialization, save_config, save_function)
+
+    def save_parallelized(self, save_directory: str | os.PathLike, merge_checkpoints: bool = False, **kwargs) -> None:
+        """Save this model's checkpoint, as OSLO's tutorials do (the model of :func:`oslo.initialize`). Call it on
+        every rank.
+
+        The same as :meth:`save_pretrained_with_parallel` with ``save_with_merging=merge_checkpoints``: a split
+        checkpoint (one ``model_tp={t}_pp={p}.safetensors`` per model-parallel rank and its index), or, with
+        ``merge_checkpoints=True``, a plain transformers checkpoint that ``from_pretrained`` loads as is.
+
+        Args:
+            save_directory: Target directory (created if needed).
+            merge_checkpoints: Write a merged (plain transformers) checkpoint instead of a split one.
+            **kwargs: ``save_config``, ``safe_serialization``, ``max_shard_size`` and ``save_function``, as for
+                :meth:`save_pretrained_with_parallel`.
+        """
+        self.save_pretrained_with_parallel(save_directory, save_with_merging=merge_checkpoints, **kwargs)
+
+    def from_parallelized(self, path: str | os.PathLike):
+        """Load a checkpoint into this model's parameters, in place. Call it on every rank.
+
+        Reads a split checkpoint (:meth:`save_parallelized`, :meth:`save_pretrained_with_parallel`, at any layout;
+        the original OSLO's ``pytorch_model_tp_0_pp_0.bin`` files too) or a merged one (a plain transformers
+        checkpoint); each rank reads only its slices. The parameters stay the same objects, so an optimizer built
+        over them keeps training them. Parameters the checkpoint lacks are initialized from the seed, with a
+        warning naming them, as :meth:`from_pretrained_with_parallel` does.
+
+        Args:
+            path: Directory of the checkpoint.
+
+        Returns:
+            The model itself, so that ``model = model.from_parallelized(path)`` works.
+
+        Raises:
+            FileNotFoundError: ``path`` holds no checkpoint.
+            ValueError: The checkpoint is of another architecture (its ``config.json``), or a tensor's shape
+                differs from this model's.
+        """
+        path = os.fspath(path)
+        checkpoint = ckpt.inspect_checkpoint(path)
+        expected = type(self).config_class.model_type
+        if os.path.isfile(os.path.join(path, "config.json")):
+            found = PretrainedConfig.get_config_dict(path)[0].get("model_type")
+            if found is not None and found != expected:
+                raise ValueError(
+                    f"{path!r} holds a {found!r} checkpoint, but {type(self).__name__} is a {expected!r} model: the "
+                    f"architectures differ, so its weights cannot be loaded. Load it into a {found!r} model."
+                )
+        ckpt.complete_legacy_index(checkpoint, type(self), self.config)  # the original OSLO's split files: no index
+        ckpt.load_checkpoint(self, checkpoint, self._seeded_local_init)
+        return self
