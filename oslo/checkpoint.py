@@ -915,13 +915,14 @@ def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
 
 
 def _write(tensors: dict[str, torch.Tensor], path: str, safe_serialization: bool,
-           save_function: Callable[[dict, str], None] | None = None, metadata: dict[str, str] | None = None) -> None:
-    """Write a weight file; ``metadata`` goes into a safetensors header (``.bin`` files have none)."""
+           save_function: Callable[[dict, str], None] | None = None, metadata: dict[str, str] | None = None) -> dict:
+    """Write a weight file, flushed to disk, and return its ``{"size", "sha256"}``; ``metadata`` goes into a
+    safetensors header (``.bin`` files have none)."""
     if safe_serialization:
-        write_safetensors(path, [(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
-                                 for name, tensor in tensors.items()], metadata)
-    else:
-        (save_function or torch.save)({name: tensor.contiguous() for name, tensor in tensors.items()}, path)
+        return write_safetensors(path, [(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
+                                        for name, tensor in tensors.items()], metadata)
+    (save_function or torch.save)({name: tensor.contiguous() for name, tensor in tensors.items()}, path)
+    return _file_digest(path, True)
 
 
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -993,9 +994,9 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
         if context.data_parallel_rank != 0:
             return {}
         name = split_file_name(tp, pp, safe_serialization)
-        _write({n: t for n, t, _ in entries}, save.path(name), safe_serialization, save_function,
-               {"oslo_tensor_parallel_rank": str(tp), "oslo_pipeline_parallel_rank": str(pp)})
-        digest = {"tensor_parallel_rank": tp, "pipeline_parallel_rank": pp, **_file_digest(save.path(name), True)}
+        written = _write({n: t for n, t, _ in entries}, save.path(name), safe_serialization, save_function,
+                         {"oslo_tensor_parallel_rank": str(tp), "oslo_pipeline_parallel_rank": str(pp)})
+        digest = {"tensor_parallel_rank": tp, "pipeline_parallel_rank": pp, **written}
         _reached("write")
         return {name: digest}
 
@@ -1056,7 +1057,7 @@ def save_merged(
     full tensor on to rank 0 when the stage is not the first. Gathering streams one shard file at a
     time, so rank 0 holds at most one shard's worth of tensors. Weights tied across stages are saved
     once, as transformers does. ``oslo_checkpoint.json`` records the files' sizes and SHA-256 (hashed
-    by all ranks, a file each) and each safetensors header the save's id.
+    by rank 0 as it writes them) and each safetensors header the save's id.
     """
     context: ParallelContext = model.parallel_context
     saved = list(_saved_parameters(model))
@@ -1075,10 +1076,10 @@ def save_merged(
     save = _Save(context, directory)
     save_id = uuid.uuid4().hex  # rank 0's is the one written
 
-    def write() -> None:
+    def write() -> dict:
         if context.data_parallel_rank != 0:
-            return
-        weight_map, total, failure = {}, 0, None
+            return {}
+        weight_map, total, failure, digests = {}, 0, None, {}
         for file_name, shard in zip(names, shards, strict=True):
             tensors = {}
             for entry in shard:
@@ -1102,7 +1103,8 @@ def save_merged(
                     total += entry.nbytes
             if context.rank == 0 and failure is None:
                 try:  # after a failure, rank 0 still takes part in the gathers (the others would wait), writing nothing
-                    _write(tensors, save.path(file_name), safe_serialization, save_function, {"oslo_save_id": save_id})
+                    digests[file_name] = _write(tensors, save.path(file_name), safe_serialization, save_function,
+                                                {"oslo_save_id": save_id})
                 except Exception as exc:  # noqa: BLE001 - raised once the gathers are over
                     failure = exc
         if failure is not None:
@@ -1111,13 +1113,9 @@ def save_merged(
             index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
             _write_json(save.path(index_name), {"metadata": {"total_size": total}, "weight_map": weight_map})
         _reached("write")
+        return digests  # rank 0's: the files' sizes and SHA-256, hashed as they were written
 
-    save.step(write, "writing")
-    # Each rank hashes (and flushes) every world_size-th file.
-    digests = save.gather(save.step(
-        lambda: {name: _file_digest(save.path(name), True) for name in names[context.rank :: context.world_size]},
-        "hashing",
-    ))
+    digests = save.step(write, "writing")
 
     def finish() -> None:
         if context.rank != 0:
