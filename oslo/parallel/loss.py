@@ -30,24 +30,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid_columns, group, ignore_index):
-        # logits: (N, V_local) this rank's columns; columns >= valid_columns are padding.
+        # logits: (N, V_local) this rank's columns; columns >= valid_columns are padding. One logits-sized
+        # buffer is allocated (the shifted logits, exponentiated and normalized in place into the softmax the
+        # backward pass needs): the padding columns are left out of the maximum and zeroed after exp, never
+        # copied; so every rank does the same work whether it holds padding or not.
         logits = logits.float()
-        if valid_columns < logits.size(-1):
-            logits = logits.clone()
-            logits[:, valid_columns:] = float("-inf")
-        row_max = logits.max(dim=-1).values
+        padded = valid_columns < logits.size(-1)
+        row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
         if group_size(group) > 1:
             failure.wait(dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, async_op=True), group,
                          "taking the logits' maximum over the tensor-parallel group")
-        shifted = logits - row_max.unsqueeze(-1)
 
         ignored = target == ignore_index
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= valid_columns) | ignored
         local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max).masked_fill(outside, 0.0)
 
-        exp = shifted.exp()
+        exp = torch.sub(logits, row_max.unsqueeze(-1)).exp_()
+        if padded:
+            exp[:, valid_columns:] = 0.0
         sum_exp = exp.sum(dim=-1)
         if group_size(group) > 1:
             # One all-reduce for both per-token reductions.
