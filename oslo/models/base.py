@@ -950,6 +950,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         attn_implementation: str | None = None,
         parallel_context: ParallelContext | None = None,
         timeout: timedelta | float | None = None,
+        deployment: bool = False,
     ):
         """A randomly initialized model, split across ranks.
 
@@ -968,10 +969,22 @@ class OsloPreTrainedModel(PreTrainedModel):
             parallel_context: An existing context to share (sizes must match).
             timeout: How long a collective waits for the other ranks before failing with an error
                 (``timedelta`` or seconds; default 10 minutes). See :class:`~oslo.parallel.ParallelContext`.
+            deployment: Run the model in ``tensor_parallel_size * pipeline_parallel_size`` worker processes
+                that this call starts (from a plain ``python`` process, no launcher), and return a
+                :class:`~oslo.deployment.DeployedModel` that drives them. See :mod:`oslo.deployment`.
 
         Returns:
-            The model, in training mode as transformers' ``from_config`` leaves it.
+            The model, in training mode as transformers' ``from_config`` leaves it (with ``deployment=True``:
+            a :class:`~oslo.deployment.DeployedModel`).
         """
+        if deployment:
+            from oslo.deployment import deploy
+
+            return deploy(cls, "from_config_with_parallel", (config,), dict(
+                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
+                dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
+                parallel_context=parallel_context, timeout=timeout))
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
         pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
@@ -1017,6 +1030,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         parallel_context: ParallelContext | None = None,
         timeout: timedelta | float | None = None,
         config: PretrainedConfig | None = None,
+        deployment: bool = False,
         **kwargs,
     ):
         """Load a checkpoint split across ranks; each rank reads only its own slices.
@@ -1054,11 +1068,24 @@ class OsloPreTrainedModel(PreTrainedModel):
                 ``HF_HUB_CACHE``), the token of a private or gated repository, reading the cache only,
                 downloading again, proxies (huggingface_hub ignores them: set ``HTTPS_PROXY``), and the
                 repository's folder holding the checkpoint (``subfolder`` also applies to a local directory).
+            deployment: Run the model in ``tensor_parallel_size * pipeline_parallel_size`` worker processes
+                that this call starts (from a plain ``python`` process, no launcher), each loading only its
+                shard, and return a :class:`~oslo.deployment.DeployedModel` that drives them. Refused with a
+                ``ValueError`` under a launcher. See :mod:`oslo.deployment`.
             **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
 
         Returns:
-            The model in evaluation mode, as transformers' ``from_pretrained`` returns it.
+            The model in evaluation mode, as transformers' ``from_pretrained`` returns it (with
+            ``deployment=True``: a :class:`~oslo.deployment.DeployedModel`).
         """
+        if deployment:
+            from oslo.deployment import deploy
+
+            return deploy(cls, "from_pretrained_with_parallel", (pretrained_model_name_or_path,), dict(
+                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
+                dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
+                parallel_context=parallel_context, timeout=timeout, config=config, **kwargs))
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
         pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
