@@ -53,6 +53,28 @@ START_METHOD = "forkserver"
 """How workers start: ``"forkserver"`` (the default: one server process imports torch once and forks the
 workers from it) or ``"spawn"``. Never ``"fork``": a threaded parent must not fork."""
 
+
+def _forget_inherited_forkserver() -> None:
+    """In a child forked from a process that had started multiprocessing's fork server, forget that server: it is
+    not this process's child, so the next deployment's ``ensure_running`` would fail (``waitpid``: no child
+    processes) instead of starting the child's own. Registered with ``os.register_at_fork``."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the parent's server exits when its own processes let go of it
+    server._forkserver_pid = None
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+
+
+os.register_at_fork(after_in_child=_forget_inherited_forkserver)
+
+
 SHARED_MEMORY_PATH = "/dev/shm"
 ERROR_GRACE_SECONDS = 30.0
 """After one worker raised, how long the others may take to answer before the pool is shut down."""

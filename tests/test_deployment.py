@@ -247,6 +247,21 @@ def test_refused_under_a_launcher(gpt2_dir):
     assert all(message and "Drop deployment=True" in message for message in messages), messages
 
 
+def _deploy_in_a_forked_child(rank, world_size, directory):
+    os.environ.pop("RANK", None)  # a plain process forked from this one, not a launcher's rank
+    os.environ.pop("WORLD_SIZE", None)
+    with oslo.GPT2LMHeadModel.from_pretrained_with_parallel(directory, tensor_parallel_size=2,
+                                                            deployment=True) as model:
+        return model(torch.tensor([[5, 6, 7]])).logits
+
+
+def test_a_process_forked_after_a_deployment_deploys_its_own(gpt2, gpt2_dir):
+    """The fork server of the parent (started by ``gpt2``) is not the child's: the child starts its own."""
+    gpt2(torch.tensor([[5, 6, 7]]))  # the parent's fork server is running
+    logits = run_distributed(_deploy_in_a_forked_child, 1, gpt2_dir[0], timeout=120)[0]
+    torch.testing.assert_close(logits, gpt2_dir[1](torch.tensor([[5, 6, 7]])).logits)
+
+
 PARENT_SCRIPT = """
 import sys
 import torch

@@ -31,13 +31,22 @@ from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
+from oslo.parallel.deepspeed_engine import (
+    active_deepspeed_engine,
+    check_engine,
+    hold_reduction,
+    install_deepspeed_hooks,
+    reduce_now,
+)
 from oslo.parallel.dtensor import (
     device_mesh,
     distribute_parameters,
+    follow_storages,
     is_distributed,
     local_named_parameters,
     plain,
     plain_leaves_module,
+    trained_grad,
     trains_plain_leaves,
     undistribute_parameters,
 )
@@ -109,6 +118,40 @@ class _LogitsNotGathered:
     def __reduce__(self):
         plain = type(self).__mro__[2]  # the transformers output class
         return plain, tuple(self.__dict__.get(field) for field in plain.__dataclass_fields__)
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
+
+
+def _accelerate_refuses_parallelism_config() -> str | None:
+    """The distributed type of this process for which accelerate refuses a ``ParallelismConfig`` (its
+    ``Accelerator`` accepts one for the types its ``multi_device`` covers: GPUs and other accelerators, not
+    ``MULTI_CPU``), or ``None`` when it takes one (or accelerate is not installed)."""
+    try:
+        from accelerate import Accelerator
+        from accelerate.state import PartialState
+    except ImportError:
+        return None
+    state = PartialState()
+    probe = type("Probe", (), {"use_distributed": state.use_distributed, "distributed_type": state.distributed_type})
+    if Accelerator.multi_device.fget(probe()):
+        return None
+    return str(state.distributed_type)
+
+
+def _both(first: Callable, second: Callable | None) -> Callable:
+    """Two ``on_backward`` callbacks as one (``second`` may be ``None``)."""
+    if second is None:
+        return first
+
+    def both(grad: torch.Tensor) -> None:
+        first(grad)
+        second(grad)
+
+    return both
 
 
 @cache
@@ -338,16 +381,20 @@ class OsloPreTrainedModel(PreTrainedModel):
                 continue
             member = next(name for name in [source, *sorted(families[source])] if name in parameters)
             tied.append((parameters[member], group))
-        before = [plain(param.grad).detach().clone() if param.grad is not None else None for param, _ in tied]
+        before = [grad.detach().clone() if (grad := trained_grad(param)) is not None else None for param, _ in tied]
 
         def reduce(scaled: bool) -> None:
             for (param, group), previous in zip(tied, before, strict=True):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(plain(param.grad), group=group)
+                if trained_grad(param) is None:
+                    if getattr(param, "_oslo_plain_leaf", False):
+                        param._oslo_storage.grad = torch.zeros_like(param._oslo_storage)
+                    else:
+                        param.grad = torch.zeros_like(param)
+                grad = trained_grad(param)
+                dist.all_reduce(grad, group=group)
                 if previous is not None:  # every holding stage added it
-                    plain(param.grad).sub_(previous * (dist.get_world_size(group) - 1))
-            grads = [plain(param.grad) for param in self.parameters() if param.grad is not None]
+                    grad.sub_(previous * (dist.get_world_size(group) - 1))
+            grads = [grad for param in self.parameters() if (grad := trained_grad(param)) is not None]
             if average_replicas:
                 average_over_replicas(grads, context)
             agree_on_nonfinite_gradients(grads, context, scan=half or scaled)
@@ -505,10 +552,17 @@ class OsloPreTrainedModel(PreTrainedModel):
             )
         if context.pipeline_parallel_size == 1:
             divisors = None
-            if (ddp is not None or fsdp) and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
+            averages_itself = has_loss_inputs and self._averages_replicas_itself(ddp, fsdp)
+            engine = active_deepspeed_engine(context)
+            if engine is not None:
+                check_engine(engine, pipeline=False)
+            averaged = ddp is not None or fsdp or averages_itself or engine is not None  # DeepSpeed averages too
+            if averaged and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
                     and num_items_in_batch is None and context.data_parallel_size > 1:
                 divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
             on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
+            if averages_itself:
+                on_backward = _both(self._replica_averaging(), on_backward)
             if body is self:  # the head class is its own body (T5ForConditionalGeneration): run its steps
                 outputs = body.run(body.prepare(**inputs, cache=cache, use_cache=use_cache, return_dict=True,
                                                 **body_kwargs))
@@ -558,7 +612,11 @@ class OsloPreTrainedModel(PreTrainedModel):
             divisors = None
             if last and loss_items is not None and num_items_in_batch is None:
                 divisors = self._step_divisors(loss_items, micro_batches)
-            average_replicas = True
+            # DeepSpeed's engine averages over the replicas itself, once the step's gradients are complete.
+            engine = active_deepspeed_engine(context)
+            if engine is not None:
+                hold_reduction(engine, check_only=True)  # refused layouts fail at the call, on every rank
+            average_replicas = engine is None
             if ddp is not None:
                 # DDP would average after the first micro-batch's backward only: the pipeline averages
                 # after the last one instead, and DDP's reducer stays out of this step (inside DDP's
@@ -572,13 +630,22 @@ class OsloPreTrainedModel(PreTrainedModel):
                 restore = self.__dict__.pop("_ddp_sync_to_restore", None)
                 if restore is not None:  # DDP's forward has returned: its flag is the user's again
                     restore[0].require_backward_grad_sync = restore[1]
+                reduce = self.pipeline_gradient_reduction(average_replicas, half)
+                if engine is not None:
+                    hold_reduction(engine)
+
+                def after_step(scaled: bool) -> None:
+                    reduce(scaled)
+                    if engine is not None:
+                        reduce_now(engine)
+
                 yield from pipeline_schedule(
                     context,
                     len(micro_batches),
                     lambda i, received: run_stage(micro_batches[i], received, None, False, divisors),
                     micro_output=lambda values, loss: wrap(output_class(loss=loss)),
                     last_stage_loss=lambda values: values["loss"],
-                    after_step=self.pipeline_gradient_reduction(average_replicas, half),
+                    after_step=after_step,
                     timeline=self.pipeline_timeline,
                     payload=body.stage_payload,
                 )
@@ -628,6 +695,71 @@ class OsloPreTrainedModel(PreTrainedModel):
         return self.parallel_context
 
     @property
+    def tp_size(self) -> int | None:
+        """The tensor-parallel size as transformers and accelerate read it (``None`` at size 1, as for a model
+        that is not tensor parallel). Seeing it, transformers' ``Trainer`` hands accelerate a
+        ``ParallelismConfig(tp_size=T, dp_shard_size=D)``, so accelerate gives the ranks of a tensor-parallel
+        group the same batches, splits the data over the data-parallel replicas only and leaves the model
+        unwrapped; oslo then averages the gradients over the replicas itself (see :meth:`_forward_with_head`).
+
+        Raises:
+            NotImplementedError: with pipelines: transformers' ``Trainer`` and accelerate call the model once per
+                batch and take one loss, while a pipeline step is a loop over micro-batch outputs.
+        """
+        context = self.parallel_context
+        if context.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                f"transformers' Trainer and accelerate cannot train {type(self).__name__} at pipeline_parallel_size="
+                f"{context.pipeline_parallel_size}: they call the model once per batch and take one loss, while a "
+                "pipeline training step is a loop over micro-batch outputs. Write the loop (`for micro_output in "
+                "model(**batch): micro_output.loss.backward()`, then model.clip_grad_norm_ and optimizer.step()), see "
+                "USAGE.md, 'Pipeline parallelism'; the Trainer works at pipeline_parallel_size=1."
+            )
+        if context.tensor_parallel_size == 1:
+            return None
+        refusal = _accelerate_refuses_parallelism_config()
+        if refusal is not None:
+            raise NotImplementedError(
+                f"transformers' Trainer cannot train the tensor-parallel {type(self).__name__} here: it hands "
+                f"accelerate a ParallelismConfig(tp_size={context.tensor_parallel_size}) so that the ranks of a "
+                f"tensor-parallel group get the same batches, and accelerate {_accelerate_version()} accepts one "
+                f"only in processes on GPUs and other accelerators (this process: {refusal}). Write the training "
+                "loop (USAGE.md, 'Training' and 'Data parallelism': DistributedDataParallel(model.gpu_modules(), "
+                "process_group=model.mpu.get_data_parallel_group()) with a DistributedSampler over "
+                "model.mpu.get_data_parallel_world_size() replicas), or use DeepSpeed (USAGE.md, 'DeepSpeed')."
+            )
+        return context.tensor_parallel_size
+
+    def _averages_replicas_itself(self, ddp, fsdp: bool) -> bool:
+        """Whether this call's gradients are averaged over the data-parallel replicas by oslo at the end of the
+        backward pass: at pipeline_parallel_size 1 only for a model that accelerate prepared as tensor parallel
+        (transformers' ``Trainer``), which it leaves unwrapped and whose replicas nobody else averages."""
+        context = self.parallel_context
+        return (ddp is None and not fsdp and context.data_parallel_size > 1 and context.tensor_parallel_size > 1
+                and getattr(self, "_is_accelerate_prepared", False) and torch.is_grad_enabled())
+
+    def _replica_averaging(self) -> Callable[[torch.Tensor], None]:
+        """``on_backward`` for a loss whose gradients oslo averages over the data-parallel replicas once the
+        backward pass ends (as ``DistributedDataParallel`` would); several losses in one backward average once.
+        Averaging again gradients accumulated over several batches leaves the earlier (equal) shares as they are."""
+        engine = torch.autograd.Variable._execution_engine
+
+        def average() -> None:
+            try:
+                grads = [plain(p.grad) for p in self.parameters() if p.grad is not None]
+                average_over_replicas(grads, self.parallel_context)
+            finally:
+                self._replica_averaging_pending = False
+
+        def on_backward(grad: torch.Tensor) -> None:
+            if self.__dict__.get("_replica_averaging_pending"):
+                return
+            self._replica_averaging_pending = True
+            engine.queue_callback(average)
+
+        return on_backward
+
+    @property
     def device_mesh(self):
         """The ``DeviceMesh`` of this rank's pipeline stage, dimensions ``("dp", "tp")``, on the model's own
         groups: the parameters are DTensors on ``device_mesh["tp"]``; FSDP2 shards over ``device_mesh["dp"]``
@@ -662,6 +794,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         to the input check, whose all-gather carries it, so ranks given other ids raise too; a nested
         call (generate()'s steps), whose inputs every rank shares, raises before it communicates."""
         context = self.parallel_context
+        if is_distributed(self) and trains_plain_leaves(self):
+            follow_storages(self)  # DeepSpeed's ZeRO may have moved the trained storages
         with self._model_call() as outermost:
             watch = call_watch(context) if outermost else None
             if watch is not None:  # refuses the call if an earlier one left the ranks out of step
@@ -759,7 +893,15 @@ class OsloPreTrainedModel(PreTrainedModel):
         sees the whole model) or over the wrapper's (plain shards). ``torch.autograd.grad`` with respect to
         ``model.parameters()`` is not available once the storages train (DDP does not support it either)."""
         if is_distributed(self):
-            return plain_leaves_module(self)
+            module = plain_leaves_module(self)
+            install_deepspeed_hooks()
+            # DeepSpeed's gradient norm (ZeRO) counts a weight once across pipeline stages by this mark on
+            # its copies (GPT2's lm_head on the last stage, a copy of wte on the first).
+            copies = self.cross_stage_tied_copies() if self.parallel_context.pipeline_parallel_size > 1 else {}
+            for name, storage in local_named_parameters(self, remove_duplicate=False):
+                if name in copies:
+                    storage.ds_pipe_replicated = True
+            return module
         return self
 
     def gpu_parameters(self) -> Iterator[nn.Parameter]:
@@ -781,6 +923,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         ``load_state_dict`` of such a dict works at the same layout. With pipelines only this stage's weights
         are there. For a checkpoint of the whole model use :meth:`save_pretrained_with_parallel`
         (``save_with_merging=True``: plain transformers files)."""
+        if is_distributed(self) and trains_plain_leaves(self):
+            follow_storages(self)
         return super().state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
@@ -811,6 +955,14 @@ class OsloPreTrainedModel(PreTrainedModel):
         distributed checkpoint holds the same tensors, of the same shapes, at every layout."""
         if self.parallel_context.world_size > 1:
             distribute_parameters(self, self.parallel_context)
+        context = self.parallel_context
+        if context.tensor_parallel_size > 1 and context.pipeline_parallel_size == 1:
+            # transformers' record of how a loaded model is distributed (never saved: to_dict drops it). Its
+            # Trainer reads the data-parallel size here once `tp_size` says the model is tensor parallel.
+            from transformers.distributed import DistributedConfig
+
+            self.config.distributed_config = DistributedConfig(
+                tp_size=context.tensor_parallel_size, dp_replicate_size=context.data_parallel_size)
 
     # ---- activation checkpointing ------------------------------------------------------------
     def _set_gradient_checkpointing(

@@ -82,6 +82,15 @@ def plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def trained_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient that training accumulates for ``param``, as a plain tensor: the storage's when the storage
+    trains in the DTensor's place (``DistributedDataParallel``, DeepSpeed: they may clear or replace it without
+    the DTensor knowing until the next call), else the local tensor of ``param.grad``."""
+    if isinstance(param, DTensor) and getattr(param, "_oslo_plain_leaf", False):
+        return param._oslo_storage.grad
+    return plain(param.grad)
+
+
 def is_distributed(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are DTensors (built with several processes)."""
     return bool(model.__dict__.get("_oslo_distributed", False))
@@ -377,6 +386,20 @@ def use_plain_leaves(model: nn.Module) -> None:
             storage._oslo_mirrors = True
         dt._oslo_plain_leaf = True
         _mirror_gradient(storage)
+
+
+def follow_storages(model: nn.Module) -> None:
+    """Point every DTensor whose storage trains in its place at the storage's current memory. DeepSpeed's
+    ZeRO 1 and 2 move the parameters it trains into one flat buffer (``param.data = view``): without this the
+    DTensors (``state_dict``, saving, ``full_tensor()``) would keep showing the weights from before."""
+    for dt in model.parameters():
+        if not isinstance(dt, DTensor) or not getattr(dt, "_oslo_plain_leaf", False):
+            continue
+        storage = dt._oslo_storage
+        local = dt._local_tensor
+        if local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr() \
+                or local.storage_offset() != storage.storage_offset():
+            dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
 
 
 class _PlainLeaves(nn.Module):

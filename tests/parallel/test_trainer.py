@@ -1,0 +1,132 @@
+"""transformers' ``Trainer`` on an oslo model: tensor parallel 2, and 2 x data parallel 2, give the weights of
+one process training transformers' model on the global batch with the same Trainer settings.
+
+accelerate (1.15) takes a ``ParallelismConfig`` on GPUs and other accelerators only; on CPU the Trainer is
+refused with an error naming the loop to write instead. The parity runs lift accelerate's check for
+``MULTI_CPU`` (the one difference from a GPU run: everything else, accelerate's mesh and data sharding, the
+Trainer's loss scaling and oslo's gradient averaging, is the code a GPU run takes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import full_params, save_reference, tiny_gpt2_config
+
+ROWS = 8  # the global batch
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-trainer")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), path)
+    return str(path)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(11)
+        self.input_ids = torch.randint(3, 1001, (ROWS * STEPS, 10), generator=generator)
+        # Unequal label counts per row: the replicas' batches hold different numbers of tokens.
+        self.labels = self.input_ids.clone()
+        for row, cut in enumerate([0, 4, 2, 0, 6, 1, 3, 0] * STEPS):
+            self.labels[row, :cut] = -100
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+def _arguments(output_dir: str, per_device_rows: int) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=per_device_rows, max_steps=STEPS, learning_rate=0.5,
+        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.5, report_to=[],
+        save_strategy="no", logging_steps=1, use_cpu=True, dataloader_drop_last=True, seed=0,
+    )
+
+
+def _fresh_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerate_takes_cpu(monkeypatch_target) -> None:
+    """Let accelerate's Accelerator take a ParallelismConfig for MULTI_CPU, as it does for MULTI_GPU."""
+    from accelerate.utils import DistributedType
+
+    multi_device = monkeypatch_target.multi_device.fget
+    monkeypatch_target.multi_device = property(lambda self: multi_device(self) or (
+        self.use_distributed and self.distributed_type == DistributedType.MULTI_CPU))
+
+
+def _trainer_run(rank, world_size, path, output_dir, tp):
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    dp = world_size // tp
+    arguments = _arguments(output_dir, ROWS // dp)
+    try:
+        transformers.Trainer(model=model, args=arguments, train_dataset=_Rows())
+    except NotImplementedError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    _fresh_accelerate_state()
+    _accelerate_takes_cpu(Accelerator)
+    trainer = transformers.Trainer(model=model, args=_arguments(output_dir, ROWS // dp), train_dataset=_Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return refused, losses, full_params(model)
+
+
+def _reference_run(rank, world_size, path, output_dir):
+    _fresh_accelerate_state()
+    model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    trainer = transformers.Trainer(model=model, args=_arguments(output_dir, ROWS), train_dataset=_Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tmp_path_factory):
+    # In a forked process: accelerate's state is a per-process singleton, which the ranks must not inherit.
+    (result,) = run_distributed(_reference_run, 1, checkpoint, str(tmp_path_factory.mktemp("reference")))
+    return result
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp, dp", [(2, 1), (2, 2)], ids=["tp2", "tp2-dp2"])
+def test_trainer_equals_one_process(checkpoint, reference, tmp_path, tp, dp):
+    expected_losses, expected = reference
+    for refused, losses, params in run_distributed(_trainer_run, tp * dp, checkpoint, str(tmp_path), tp, timeout=110):
+        # On CPU, accelerate refuses the ParallelismConfig: a clear error at Trainer(...), naming the loop.
+        assert refused is not None and "MULTI_CPU" in refused and "model.gpu_modules()" in refused, refused
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _pipeline_trainer(rank, world_size, path, output_dir):
+    _fresh_accelerate_state()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2)
+    try:
+        transformers.Trainer(model=model, args=_arguments(output_dir, ROWS), train_dataset=_Rows())
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_trainer_with_pipelines_is_refused(checkpoint, tmp_path):
+    for message in run_distributed(_pipeline_trainer, 2, checkpoint, str(tmp_path), timeout=50):
+        assert message is not None and "pipeline_parallel_size=2" in message and "micro_output" in message
