@@ -54,7 +54,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 MANIFEST_NAME = "oslo_checkpoint.json"  # sizes and SHA-256 of a merged save's files
-_SPLIT_FILE_RE = re.compile(r"^(model|pytorch_model)_tp=\d+_pp=\d+\.(safetensors|bin)$")
 # A split file's ranks, in oslo's names and in the original OSLO's (``pytorch_model_tp_0_pp_0.bin``).
 _SPLIT_RANKS_RE = re.compile(r"^(?:model|pytorch_model)_tp[=_](\d+)_pp[=_](\d+)\.(?:safetensors|bin)$")
 _MERGED_FILE_RE = re.compile(
@@ -1014,22 +1013,51 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
         families = model._tie_families() if hasattr(model, "_tie_families") else {}
         sources = {target: source for source, targets in families.items() for target in targets}
         tied.update({e.name: sources[e.name] for e in everything if e.tied_copy})
-        _write_json(save.path(SPLIT_INDEX_NAME), {
-            "format": "oslo-split",
-            "version": 2,
-            "tensor_parallel_size": context.tensor_parallel_size,
-            "pipeline_parallel_size": context.pipeline_parallel_size,
-            "tensors": {e.name: {"shape": list(e.shape), "dtype": e.dtype, "split": e.split} for e in everything},
-            "files": files,
-            "digests": digests,
-            "tied": tied,
-        })
+        write_split_index(save.path(SPLIT_INDEX_NAME), context.tensor_parallel_size, context.pipeline_parallel_size,
+                          {e.name: {"shape": list(e.shape), "dtype": e.dtype, "split": e.split} for e in everything},
+                          files, digests, tied)
         if save_config:
             _save_config(model, save.staging)
         _reached("index")
 
     save.step(index, "indexing")
     save.publish()
+
+
+def write_split_index(path: str, tensor_parallel_size: int, pipeline_parallel_size: int, tensors: dict,
+                      files: dict[str, list[str]], digests: dict[str, dict], tied: dict[str, str]) -> None:
+    """``model_parallel.index.json``: the layout, every tensor's global shape, dtype and split, the tensors
+    each file holds, each file's ranks, size and SHA-256, and the tied copies (``{copy: source}``)."""
+    _write_json(path, {
+        "format": "oslo-split",
+        "version": 2,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "tensors": tensors,
+        "files": files,
+        "digests": digests,
+        "tied": tied,
+    })
+
+
+def write_merged_records(directory: str, weight_map: dict[str, str], total: int, safe_serialization: bool,
+                         save_id: str, digests: dict[str, dict]) -> None:
+    """Beside a merged checkpoint's weight files: transformers' index when there are several files, and
+    ``oslo_checkpoint.json`` (the save's id and each file's size and SHA-256)."""
+    if len(set(weight_map.values())) > 1:
+        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+        _write_json(os.path.join(directory, index_name), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(os.path.join(directory, MANIFEST_NAME),
+                {"format": "oslo-merged", "version": 1, "save_id": save_id, "files": digests})
+
+
+def merged_file_names(count: int, safe_serialization: bool = True) -> list[str]:
+    """The weight files of a merged checkpoint of ``count`` shards, named as transformers names them."""
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    if count == 1:
+        return [weights_name]
+    stem, ext = weights_name.rsplit(".", 1)
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
 
 
 def _tied_keys(model: nn.Module) -> dict[str, str]:
@@ -1063,14 +1091,8 @@ def save_merged(
     saved = list(_saved_parameters(model))
     local = {name: (tensor, spec) for name, tensor, spec in saved}
     entries = [entry for entry in _pipeline_entries(model, saved) if not entry.tied_copy]
-    shards = _plan_shards(entries, max_shard_size)
-    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
-    stem, ext = weights_name.rsplit(".", 1)
-    names = (
-        [weights_name]
-        if len(shards) == 1
-        else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
-    )
+    shards = plan_shards(entries, max_shard_size, lambda entry: entry.nbytes)
+    names = merged_file_names(len(shards), safe_serialization)
     first_tp = context.tensor_parallel_global_rank(0)
     writer = context.pipeline_parallel_global_rank(0) if context.tensor_parallel_rank == 0 else None
     save = _Save(context, directory)
@@ -1079,7 +1101,7 @@ def save_merged(
     def write() -> dict:
         if context.data_parallel_rank != 0:
             return {}
-        weight_map, total, failure, digests = {}, 0, None, {}
+        failure, digests = None, {}
         for file_name, shard in zip(names, shards, strict=True):
             tensors = {}
             for entry in shard:
@@ -1099,8 +1121,6 @@ def save_merged(
                               group=context.pipeline_parallel_group)
                 if context.rank == 0:
                     tensors[entry.name] = full
-                    weight_map[entry.name] = file_name
-                    total += entry.nbytes
             if context.rank == 0 and failure is None:
                 try:  # after a failure, rank 0 still takes part in the gathers (the others would wait), writing nothing
                     digests[file_name] = _write(tensors, save.path(file_name), safe_serialization, save_function,
@@ -1109,9 +1129,6 @@ def save_merged(
                     failure = exc
         if failure is not None:
             raise failure
-        if context.rank == 0 and len(names) > 1:
-            index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
-            _write_json(save.path(index_name), {"metadata": {"total_size": total}, "weight_map": weight_map})
         _reached("write")
         return digests  # rank 0's: the files' sizes and SHA-256, hashed as they were written
 
@@ -1120,8 +1137,9 @@ def save_merged(
     def finish() -> None:
         if context.rank != 0:
             return
-        _write_json(save.path(MANIFEST_NAME),
-                    {"format": "oslo-merged", "version": 1, "save_id": save_id, "files": digests})
+        weight_map = {entry.name: name for name, shard in zip(names, shards, strict=True) for entry in shard}
+        write_merged_records(save.staging, weight_map, sum(entry.nbytes for entry in entries), safe_serialization,
+                             save_id, digests)
         if save_config:
             _save_config(model, save.staging)
         _reached("index")
@@ -1130,13 +1148,15 @@ def save_merged(
     save.publish()
 
 
-def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+def plan_shards(entries: list, max_shard_size: int, nbytes: Callable[[object], int]) -> list[list]:
+    """``entries`` in order, cut into files of at most ``max_shard_size`` bytes (``nbytes(entry)`` each; a larger
+    tensor gets a file of its own), as transformers shards a checkpoint."""
     shards, current, current_size = [], [], 0
     for entry in entries:
-        if current and current_size + entry.nbytes > max_shard_size:
+        if current and current_size + nbytes(entry) > max_shard_size:
             shards.append(current)
             current, current_size = [], 0
         current.append(entry)
-        current_size += entry.nbytes
+        current_size += nbytes(entry)
     shards.append(current)
     return shards

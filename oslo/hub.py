@@ -24,7 +24,6 @@ import glob
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -55,8 +54,6 @@ logger = logging.getLogger(__name__)
 # The keyword arguments of ``from_pretrained_with_parallel`` that go to the Hub (transformers' names).
 HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 CONFIG_FILES = ("config.json", "generation_config.json")
-# Split files, in oslo's names and in the original OSLO's (``pytorch_model_tp_0_pp_0.bin``, without an index).
-_SPLIT_FILE_RE = re.compile(r"^(?:model|pytorch_model)_tp[=_]\d+_pp[=_]\d+\.(?:safetensors|bin)$")
 _SHARD_PATTERNS = {ckpt.SAFE_WEIGHTS_INDEX_NAME: "model-*.safetensors", ckpt.WEIGHTS_INDEX_NAME: "pytorch_model-*.bin"}
 _POLL_SECONDS = 2.0  # how often waiting ranks hear from a rank still downloading
 
@@ -224,7 +221,7 @@ def _choose_weights(names: list[str]) -> tuple[str | None, list[str]]:
             return index, manifest
         if single in present:
             return None, [single, *manifest]
-    return None, [name for name in sorted(names) if _SPLIT_FILE_RE.match(name)]  # the original OSLO's, no index
+    return None, [name for name in sorted(names) if ckpt._SPLIT_RANKS_RE.match(name)]  # the original OSLO's, no index
 
 
 def _index_files(path: str, index: str, names: list[str]) -> list[str]:
@@ -237,7 +234,7 @@ def _index_files(path: str, index: str, names: list[str]) -> list[str]:
         return sorted({str(name) for name in files})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         if index == ckpt.SPLIT_INDEX_NAME:
-            return [name for name in sorted(names) if _SPLIT_FILE_RE.match(name)]
+            return [name for name in sorted(names) if ckpt._SPLIT_RANKS_RE.match(name)]
         return [name for name in sorted(names) if fnmatch.fnmatchcase(name, _SHARD_PATTERNS[index])]
 
 

@@ -131,7 +131,9 @@ def reshard_checkpoint(
     def finish() -> None:
         _copy_other_files(source, save.staging)
         if merged:
-            _write_merged_index(save, files, digests, save_id)
+            ckpt.write_merged_records(
+                save.staging, {key: name for name, entries in files.items() for key, *_ in entries},
+                sum(nbytes for entries in files.values() for *_, nbytes in entries), True, save_id, digests)
         else:
             _write_split_index(save, stages, files, digests, tp, pp, dtype)
         _write_config(stages[0], config, dtype, source, save.staging)
@@ -193,20 +195,9 @@ def _plan_files(stages, reader, dtype, tp, merged, max_shard_size) -> dict[str, 
                          "load it with from_pretrained_with_parallel (which does) and save it instead.")
     if not merged:
         return files
-    records = files[""]
     limit = convert_file_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-    shards, current, size = [], [], 0
-    for record in records:
-        if current and size + record[-1] > limit:
-            shards.append(current)
-            current, size = [], 0
-        current.append(record)
-        size += record[-1]
-    shards.append(current)
-    stem, ext = ckpt.SAFE_WEIGHTS_NAME.rsplit(".", 1)
-    if len(shards) == 1:
-        return {ckpt.SAFE_WEIGHTS_NAME: shards[0]}
-    return {f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}": shard for i, shard in enumerate(shards)}
+    shards = ckpt.plan_shards(files[""], limit, lambda record: record[-1])
+    return dict(zip(ckpt.merged_file_names(len(shards)), shards, strict=True))
 
 
 def _reading(reader, key: str, spec, dtype: torch.dtype):
@@ -251,26 +242,8 @@ def _write_split_index(save, stages, files, digests, tp, pp, dtype) -> None:
                 tied[name] = sources[name]
     ranks = {name: dict(zip(("tensor_parallel_rank", "pipeline_parallel_rank"), ckpt._file_ranks(name), strict=True))
              for name in digests}
-    ckpt._write_json(save.path(ckpt.SPLIT_INDEX_NAME), {
-        "format": "oslo-split",
-        "version": 2,
-        "tensor_parallel_size": tp,
-        "pipeline_parallel_size": pp,
-        "tensors": tensors,
-        "files": names,
-        "digests": {name: {**ranks[name], **digest} for name, digest in digests.items()},
-        "tied": tied,
-    })
-
-
-def _write_merged_index(save, files, digests, save_id) -> None:
-    if len(files) > 1:
-        weight_map = {key: name for name, entries in files.items() for key, *_ in entries}
-        total = sum(nbytes for entries in files.values() for *_, nbytes in entries)
-        ckpt._write_json(save.path(ckpt.SAFE_WEIGHTS_INDEX_NAME),
-                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-    ckpt._write_json(save.path(ckpt.MANIFEST_NAME),
-                     {"format": "oslo-merged", "version": 1, "save_id": save_id, "files": digests})
+    ckpt.write_split_index(save.path(ckpt.SPLIT_INDEX_NAME), tp, pp, tensors, names,
+                           {name: {**ranks[name], **digest} for name, digest in digests.items()}, tied)
 
 
 def _write_config(model, config, dtype, source: str, staging: str) -> None:
