@@ -93,9 +93,7 @@ def reshard_checkpoint(
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise FileNotFoundError(f"{source!r} has no config.json: resharding needs the model's config (its "
                                 "`architectures` name the class). Copy the model's config.json into it.")
-    config = AutoConfig.from_pretrained(source)
-    cls, _ = _oslo_class(config)
-    config = cls.config_class.from_pretrained(source)
+    cls, config = _oslo_class(AutoConfig.from_pretrained(source))
     if pp > 1 and not cls._supports_pipeline_parallel:
         raise ValueError(f"{cls.__name__} does not support pipeline parallelism: use pipeline_parallel_size=1.")
     ckpt.complete_legacy_index(checkpoint, cls, config)
