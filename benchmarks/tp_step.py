@@ -33,10 +33,10 @@ import oslo
 _CATEGORIES = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
                 "aten::_scaled_dot_product", "aten::baddbmm")),
-    # oslo's mappings run their collectives inside these autograd functions (self time: the all-reduce and the
-    # wait for the other rank)
+    # oslo's mappings and its column-parallel linear's backward run their collectives inside these autograd
+    # functions (self time: the all-reduce and the wait for the other rank; the matmuls are counted above)
     ("collectives + waiting", ("gloo", "all_reduce", "allreduce", "all_gather", "c10d", "record_param_comms",
-                               "TensorParallel")),
+                               "TensorParallel", "ColumnParallelLinearBackward")),
     ("loss", ("aten::exp", "aten::amax", "aten::max", "aten::log", "aten::gather", "aten::sum", "aten::div_",
               "aten::sub")),
     ("embedding backward", ("aten::embedding_dense_backward", "aten::index_add", "aten::embedding_backward")),

@@ -46,6 +46,7 @@ from oslo.parallel.dtensor import (
     local_named_parameters,
     plain,
     plain_leaves_module,
+    shared_views,
     trained_grad,
     trains_plain_leaves,
     undistribute_parameters,
@@ -776,7 +777,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         outermost = not context.in_model_call
         context.in_model_call = True
         try:
-            yield outermost
+            with shared_views():  # one local view per parameter for the whole call (see GradientSink)
+                yield outermost
         finally:
             if outermost:
                 context.in_model_call = False

@@ -31,7 +31,9 @@ then on, and every gradient they receive is mirrored into the DTensor's ``.grad`
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed.checkpoint.state_dict as _dcp_state_dict
@@ -47,12 +49,15 @@ from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 __all__ = [
     "device_mesh",
     "distribute_parameters",
+    "GradientSink",
+    "gradient_sink",
     "is_distributed",
     "local",
     "local_named_parameters",
     "plain",
     "plain_leaves_module",
     "PipelineStageNormError",
+    "shared_views",
     "trains_plain_leaves",
     "undistribute_parameters",
 ]
@@ -167,19 +172,108 @@ def _storage_gradient(dt: DTensor) -> torch.Tensor | None:
     return grad.reshape(storage.shape)
 
 
+def _graph_task() -> int:
+    """The running backward pass (-1 outside one)."""
+    return torch._C._current_graph_task_id()
+
+
+class GradientSink:
+    """The gradient of one local view, summed in place by the layers that compute on it.
+
+    A layer whose weight is a view carrying a sink (:func:`gradient_sink`) hands its weight gradient to the sink
+    instead of returning it, and the view's backward (:class:`_LocalView`) takes the sum. Within a model call
+    every layer reading a parameter shares one view (:func:`shared_views`), so the contributions of a tied
+    embedding and LM head land in one buffer: the head's weight gradient, into which the embedding adds its
+    rows in place, instead of a dense embedding-sized gradient of mostly zeros and a second embedding-sized
+    sum (two fresh buffers of the vocabulary's size per step, as plain autograd does).
+
+    What a backward pass left behind that no view took (a ``torch.autograd.grad`` that stopped short of the
+    view) belongs to that pass and is dropped by the next one."""
+
+    __slots__ = ("grad", "task")
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+        self.task = -1
+
+    def _current(self) -> torch.Tensor | None:
+        task = _graph_task()
+        if self.task != task:
+            self.grad, self.task = None, task
+        return self.grad
+
+    def add(self, grad: torch.Tensor) -> None:
+        """Add ``grad``, a tensor the caller made and hands over (it may become the sum)."""
+        current = self._current()
+        self.grad = grad if current is None else current.add_(grad)
+
+    def index_add(self, index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> None:
+        """Add ``rows[i]`` to row ``index[i]`` of the sum (zeros shaped like ``like`` if nothing came yet)."""
+        current = self._current()
+        if current is None:
+            current = self.grad = torch.zeros_like(like, memory_format=torch.contiguous_format)
+        current.index_add_(0, index, rows.to(current.dtype))
+
+    def take(self) -> torch.Tensor | None:
+        grad = self._current()
+        self.grad, self.task = None, -1
+        return grad
+
+
+def gradient_sink(weight: torch.Tensor) -> GradientSink | None:
+    """The sink of a local view that layers hand their weight gradient to, if ``weight`` is one (see
+    :class:`GradientSink`); ``None`` for anything else (a plain parameter, a storage that trains itself)."""
+    return getattr(weight, "_oslo_sink", None)
+
+
 class _LocalView(torch.autograd.Function):
     """The storage of a DTensor parameter, to compute on; its gradient goes to the DTensor (the padding
-    rows' part, zero, is dropped)."""
+    rows' part, zero, is dropped): the gradient that reached the view, plus what layers put in its sink."""
 
     @staticmethod
-    def forward(ctx, dt: DTensor) -> torch.Tensor:
-        ctx.dt = dt
+    def forward(ctx, dt: DTensor, sink: GradientSink) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.dt, ctx.sink = dt, sink
         return dt._oslo_storage.detach()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:
+    def backward(ctx, grad: torch.Tensor | None) -> tuple[DTensor | None, None]:
         dt = ctx.dt
-        return _wrap(_local_of(grad, dt._oslo_spec), dt)
+        total = ctx.sink.take()
+        if grad is not None:
+            total = grad if total is None else total.add_(grad)
+        if total is None:
+            return None, None
+        return _wrap(_local_of(total, dt._oslo_spec), dt), None
+
+
+_shared = threading.local()  # .views: id(DTensor) -> (DTensor, its view) during a model call
+
+
+@contextmanager
+def shared_views() -> Iterator[None]:
+    """Within the block every layer computing on a DTensor parameter gets the same local view of it (one
+    :class:`_LocalView`, one :class:`GradientSink`): what a model call runs in."""
+    outer = getattr(_shared, "views", None)
+    _shared.views = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared.views = outer
+
+
+def _view(param: DTensor) -> torch.Tensor:
+    views = getattr(_shared, "views", None)
+    if views is not None:
+        known = views.get(id(param))
+        if known is not None and known[0] is param:
+            return known[1]
+    sink = GradientSink()
+    view = _LocalView.apply(param, sink)
+    view._oslo_sink = sink
+    if views is not None:
+        views[id(param)] = (param, view)
+    return view
 
 
 # ---- the model ---------------------------------------------------------------------------------------
@@ -236,7 +330,7 @@ def local(param: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
         _sync_plain_leaf(param)
         return param._oslo_storage
     if torch.is_grad_enabled() and param.requires_grad:
-        return _LocalView.apply(param)
+        return _view(param)
     return param._oslo_storage.detach()
 
 

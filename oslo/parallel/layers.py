@@ -8,14 +8,17 @@ functions of ``mappings.py``, called visibly in ``forward``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from oslo.parallel import failure
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.dtensor import gradient_sink
 from oslo.parallel.loss import causal_lm_loss
 from oslo.parallel.mappings import (
-    copy_to_tensor_parallel,
     gather_from_tensor_parallel,
+    group_size,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
@@ -30,6 +33,85 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     flat = x.reshape(-1, x.size(-1))
     out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
     return out.view(out_shape)
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``x @ W (+ b)`` on this rank's output columns. Backward: the input's gradient (a partial sum over this
+    rank's columns) is summed over the group when ``reduce_input_grad`` — the all-reduce runs while the weight's
+    gradient is computed, as Megatron-LM does — and the weight's gradient goes to the sink of its view when it
+    has one (:class:`~oslo.parallel.dtensor.GradientSink`: a tied embedding adds its rows to it in place)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed, group, reduce_input_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.group, ctx.reduce_input_grad = transposed, group, reduce_input_grad
+        ctx.bias_dtype, ctx.sink = None if bias is None else bias.dtype, gradient_sink(weight)
+        # the backward's matmuls run under the forward's autocast, as autograd's own would on its casts
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        return _linear(x, weight, bias, transposed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            flat_grad = grad.reshape(-1, grad.size(-1))
+            grad_x = work = None
+            if ctx.needs_input_grad[0]:
+                grad_x = (flat_grad @ weight.t() if ctx.transposed else flat_grad @ weight).view(x.shape)
+                grad_x = grad_x.to(x.dtype)
+                if ctx.reduce_input_grad:
+                    work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            grad_weight = grad_bias = None
+            if ctx.needs_input_grad[1]:
+                flat_x = x.reshape(-1, x.size(-1))
+                # (in, out) for Conv1D's layout, (out, in) for nn.Linear's: contiguous either way
+                grad_weight = (flat_x.t() @ flat_grad if ctx.transposed else flat_grad.t() @ flat_x).to(weight.dtype)
+                if ctx.sink is not None:
+                    ctx.sink.add(grad_weight)
+                    grad_weight = None
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = flat_grad.sum(0).to(ctx.bias_dtype)
+        if work is not None:
+            failure.wait(work, ctx.group, "summing the input gradient over the tensor-parallel group")
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+class _VocabParallelEmbedding(torch.autograd.Function):
+    """The rows of this rank's ids (zero for ids outside its slice). Backward: the gradient rows are added into
+    the sink of the weight's view, in place (the weight must be a view with a sink: see :func:`_embedding`)."""
+
+    @staticmethod
+    def forward(ctx, local_ids, outside, weight, padding_idx):
+        ctx.save_for_backward(local_ids, outside)
+        ctx.padding_idx, ctx.sink, ctx.weight_meta = padding_idx, gradient_sink(weight), weight.detach()
+        embedded = F.embedding(local_ids, weight, padding_idx)
+        return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local_ids, outside = ctx.saved_tensors
+        ids = local_ids.reshape(-1)
+        rows = grad.reshape(ids.numel(), -1)
+        skip = outside.reshape(-1) if outside is not None else None
+        if ctx.padding_idx is not None:
+            padding = ids == ctx.padding_idx
+            skip = padding if skip is None else skip | padding
+        if skip is not None:
+            rows = rows.masked_fill(skip.unsqueeze(-1), 0.0)
+        ctx.sink.index_add(ids, rows, like=ctx.weight_meta)
+        return None, None, None, None
+
+
+def _embedding(local_ids: torch.Tensor, outside: torch.Tensor | None, weight: torch.Tensor,
+               padding_idx: int | None) -> torch.Tensor:
+    """``F.embedding`` of ``local_ids`` with the rows of ``outside`` ids zeroed; a weight that is a view with a
+    gradient sink gets its gradient rows added there in place (no dense vocabulary-sized gradient of its own)."""
+    if torch.is_grad_enabled() and weight.requires_grad and gradient_sink(weight) is not None:
+        return _VocabParallelEmbedding.apply(local_ids, outside, weight, padding_idx)
+    embedded = F.embedding(local_ids, weight, padding_idx)
+    return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def _tensor_parallel(parallel_context: ParallelContext | None) -> tuple[object, int, int]:
@@ -94,9 +176,12 @@ class ColumnParallelLinear(nn.Module):
         bias + activation kernel). ``input_is_copied=True``: ``x`` already went through
         :func:`~oslo.parallel.mappings.copy_to_tensor_parallel` once for several layers reading it (separate
         q, k, v projections), so its gradient is all-reduced once, not once per layer."""
-        if not input_is_copied:
-            x = copy_to_tensor_parallel(x, self.group)
-        out = _linear(x, self.weight, None if skip_bias_add else self.bias, self.transposed)
+        bias = None if skip_bias_add else self.bias
+        reduce_input_grad = not input_is_copied and group_size(self.group) > 1
+        if torch.is_grad_enabled() and (reduce_input_grad or gradient_sink(self.weight) is not None):
+            out = _ColumnParallelLinear.apply(x, self.weight, bias, self.transposed, self.group, reduce_input_grad)
+        else:
+            out = _linear(x, self.weight, bias, self.transposed)
         if self.gather_output:
             out = gather_from_tensor_parallel(out, self.group, dim=-1)
             if self.weight_spec.kind == VOCAB and out.size(-1) != self.out_features:
@@ -215,11 +300,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.single_rank:
-            return F.embedding(input_ids, self.weight, self.padding_idx)
+            return _embedding(input_ids, None, self.weight, self.padding_idx)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        embedded = F.embedding(local_ids, self.weight, self.local_padding_idx)
-        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        embedded = _embedding(local_ids, outside, self.weight, self.local_padding_idx)
         return reduce_from_tensor_parallel(embedded, self.group)
 
     def extra_repr(self) -> str:
