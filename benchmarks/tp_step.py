@@ -1,25 +1,41 @@
 """A tensor-parallel training step against one transformers process (issue 17), alternated step by step.
 
 Workload, as a new user trains: GPT2 at gpt2-medium width (1024, 16 heads), ``--n-layer`` blocks (default 2),
-vocab 50257, a batch of 4 x 128 tokens, ``model(input_ids=ids, labels=ids).loss.backward()`` (the default
-training call: no logits gather), float32, one torch thread per process.
+vocab 50257, a batch of 4 x 128 tokens, float32, one torch thread per process. Variants:
 
-Two gloo ranks are forked once and keep their models: rank 0 also holds the transformers model with the same
-weights. Each round runs, in an order that rotates, (a) one transformers step on rank 0 alone (rank 1 idle
-at a barrier) and (b) one oslo step at tp=2 on both ranks; a step's time is the slowest rank's. The claim is on
-the median of the per-round ratios t(transformers) / t(oslo tp=2): this machine's speed drifts ±15 % within
-minutes, and only variants measured side by side in the same processes compare. The ideal is 2.0.
+* ``transformers``: ``model(input_ids=ids, labels=ids).loss.backward()`` in one process (rank 0; the other
+  ranks wait at a barrier);
+* oslo ``default``: the same call on every rank of tp=``--tp`` (the default training call: the loss from the
+  vocabulary-split logits, no logits gathered);
+* oslo ``loss-only``: the same with ``gather_logits=False`` (asking explicitly for no logits: since the default
+  training call skips the gather, the same path).
+
+For each tensor-parallel size the ranks are forked once and keep their models (rank 0 also holds the
+transformers model, with the same weights). Each round runs every variant once, in an order that rotates; a
+step's time is the slowest rank's. The claims are on the median of the per-round ratios t(transformers) /
+t(oslo): this machine's speed drifts ±15 % within minutes, and only variants measured side by side in the same
+processes compare. The ideal is the number of processes that run at once: tp, or the CPU count if fewer (tp=4
+on 2 CPUs shares them: its ideal is 2.0).
 
 A per-category breakdown of one oslo step on rank 0 (``torch.profiler``, CPU self time: matmuls, the loss,
 collectives (including waiting for the other rank), the embedding's backward, allocation and copies, the rest)
-is printed next to the ratio.
+is printed next to each ratio.
 
-Run: ``python benchmarks/tp_step.py`` (``--rounds 10 --n-layer 2 --batch 4 --seq 128``).
+``--ablate`` adds variants of the default call with one of issue 17's changes undone (monkeypatched, in the same
+processes, alternated with the others): the column-parallel backward's overlap of the input-gradient all-reduce
+with the weight-gradient matmul; the embedding's rows added into the tied LM head's weight gradient (gradient
+sink); the loss turning the logits into its softmax in place; one local view per parameter per call (without it
+the tied weight's two gradients are summed as DTensors, out of place) — and all four undone. Each prints its step
+time over the default's (the median of the rounds): what that change buys.
+
+Run: ``python benchmarks/tp_step.py`` (``--rounds 10 --n-layer 2 --batch 4 --seq 128 --tp 2 4 [--ablate]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
@@ -45,25 +61,79 @@ _CATEGORIES = (
 )
 
 
-def rank_fn(rank: int, world_size: int, n_layer: int, batch: int, seq: int, rounds: int) -> dict:
+_VARIANTS = {
+    "default": {},  # the default training call: the loss from vocabulary-split logits, no logits gathered
+    "loss-only": {"gather_logits": False},  # asks explicitly for no logits (the same path since issue 4)
+}
+
+# --ablate: the default call with one of issue 17's changes undone at a time (monkeypatched in the same processes,
+# so that each is measured side by side with the default), and with all of them undone.
+_CHANGES = ("overlap", "embedding sink", "logits overwrite", "shared views")
+_ABLATIONS = {f"without {change}": (change,) for change in _CHANGES} | {"without all four": _CHANGES}
+
+
+class _SynchronousAllReduce:
+    """``torch.distributed`` for oslo's layers, with an all-reduce that completes before it returns: the
+    column-parallel backward then waits for the input gradient's sum before computing the weight's."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs):
+        work = dist.all_reduce(tensor, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        return work
+
+
+def _plain_embedding(local_ids, outside, weight, padding_idx):
+    """oslo's embedding lookup before the gradient sink: autograd's dense embedding gradient."""
+    embedded = torch.nn.functional.embedding(local_ids, weight, padding_idx)
+    return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+@contextlib.contextmanager
+def _undone(changes: tuple[str, ...]):
+    import oslo.models.base as base
+    import oslo.models.heads as heads
+    import oslo.parallel.layers as layers
+
+    patches = {
+        "overlap": (layers, "dist", _SynchronousAllReduce()),
+        "embedding sink": (layers, "_embedding", _plain_embedding),
+        "logits overwrite": (heads, "logits_are_private", lambda model, returned: False),
+        "shared views": (base, "shared_views", contextlib.nullcontext),
+    }
+    saved = []
+    for change in changes:
+        module, name, value = patches[change]
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def rank_fn(rank: int, world_size: int, n_layer: int, batch: int, seq: int, rounds: int,
+            ablate: bool) -> dict:
     config = bench.gpt2_config("medium", n_layer=n_layer)
     model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0).train()
     reference = None
-    if rank == 0:
-        merged = f"/tmp/oslo-tp-step-{dist.get_world_size()}"
-    else:
-        merged = None
     # transformers' model with oslo's weights (rank 0 only): through a merged checkpoint
-    paths = [merged]
+    paths = [f"/tmp/oslo-tp-step-{world_size}" if rank == 0 else None]
     dist.broadcast_object_list(paths, src=0)
     model.save_pretrained_with_parallel(paths[0], save_with_merging=True)
     if rank == 0:
         reference = transformers.GPT2LMHeadModel.from_pretrained(paths[0]).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
 
-    def oslo_step() -> None:
+    def oslo_step(options: dict, undone: tuple[str, ...] = ()) -> None:
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with _undone(undone):
+            model(input_ids=ids, labels=ids, **options).loss.backward()
 
     def reference_step() -> None:
         reference.zero_grad(set_to_none=True)
@@ -78,34 +148,57 @@ def rank_fn(rank: int, world_size: int, n_layer: int, batch: int, seq: int, roun
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
-    oslo_step()  # warm-up
-    if rank == 0:
-        reference_step()
-    ratios, hf_times, oslo_times = [], [], []
+    steps = [("transformers", reference_step, True)]
+    steps += [(name, lambda options=options: oslo_step(options), False) for name, options in _VARIANTS.items()]
+    if ablate:
+        steps += [(name, lambda undone=undone: oslo_step({}, undone), False) for name, undone in _ABLATIONS.items()]
+    for _, step, alone in steps:  # warm-up
+        timed(step, alone)
+    times = {name: [] for name, _, _ in steps}
     for index in range(rounds):
-        if index % 2 == 0:
-            t_hf = timed(reference_step, alone=True)
-            t_oslo = timed(oslo_step, alone=False)
-        else:
-            t_oslo = timed(oslo_step, alone=False)
-            t_hf = timed(reference_step, alone=True)
-        hf_times.append(t_hf)
-        oslo_times.append(t_oslo)
-        ratios.append(t_hf / t_oslo)
+        shift = index % len(steps)  # the order rotates: each variant runs first, second, ... as often
+        for name, step, alone in steps[shift:] + steps[:shift]:
+            times[name].append(timed(step, alone))
 
-    breakdown = {}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        oslo_step()
-    if rank == 0:
-        total = 0.0
-        for event in profile.key_averages():
-            seconds = event.self_cpu_time_total / 1e6
-            total += seconds
-            name = event.key.lower()
-            category = next((label for label, keys in _CATEGORIES if any(k.lower() in name for k in keys)), "other")
-            breakdown[category] = breakdown.get(category, 0.0) + seconds
-        breakdown["total"] = total
-    return {"ratios": ratios, "hf": hf_times, "oslo": oslo_times, "breakdown": breakdown}
+    breakdowns = {}
+    for name, options in _VARIANTS.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            oslo_step(options)
+        if rank == 0:
+            breakdown = {}
+            for event in profile.key_averages():
+                seconds = event.self_cpu_time_total / 1e6
+                name_lower = event.key.lower()
+                category = next((label for label, keys in _CATEGORIES
+                                 if any(k.lower() in name_lower for k in keys)), "other")
+                breakdown[category] = breakdown.get(category, 0.0) + seconds
+            breakdowns[name] = breakdown
+    return {"times": times, "breakdowns": breakdowns}
+
+
+def report(tp: int, result: dict) -> None:
+    times = result["times"]
+    hf = times.pop("transformers")
+    print(f"   tp={tp} ({tp} processes on {os.cpu_count()} CPUs): transformers step median "
+          f"{statistics.median(hf):.3f} s")
+    for name, values in times.items():
+        ratios = [a / b for a, b in zip(hf, values, strict=True)]
+        ratio = statistics.median(ratios)
+        if name in _ABLATIONS:
+            cost = statistics.median(a / b for a, b in zip(values, times["default"], strict=True))
+            print(f"   oslo tp={tp} {name}: step median {statistics.median(values):.3f} s; ratio transformers / oslo "
+                  f"{ratio:.3f}x; its step / the default's, median of the rounds: {cost:.3f}")
+            continue
+        print(f"   oslo tp={tp} {name}: step median {statistics.median(values):.3f} s; per-round ratios "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}")
+        target = {"default": 1.8, "loss-only": 1.85}[name] if tp == 2 else None
+        claim = f"; claim at tp=2 (>= {target}x): {bench.verdict(ratio >= target)}" if target else ""
+        print(f"     median ratio transformers / oslo: {ratio:.3f}x (ideal {min(tp, os.cpu_count()):.1f}x){claim}")
+        breakdown = dict(result["breakdowns"][name])
+        total = sum(breakdown.values())
+        print("     one step on rank 0, CPU self time by category (torch.profiler): " + ", ".join(
+            f"{label} {seconds * 1e3:.0f} ms ({seconds / total:.1%})"
+            for label, seconds in sorted(breakdown.items(), key=lambda item: -item[1])))
 
 
 def main() -> None:
@@ -114,23 +207,16 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ablate", action="store_true",
+                        help="also run the default call with each of issue 17's changes undone, and all of them")
     args = parser.parse_args()
     bench.header(f"training step, gpt2-medium width, {args.n_layer} blocks, {args.batch} x {args.seq} tokens: "
-                 f"transformers 1 process vs oslo tp={args.tp} (1 thread each)")
-    result = bench.launch(rank_fn, args.tp, args.n_layer, args.batch, args.seq, args.rounds, timeout=1800)[0]
-    ratio = statistics.median(result["ratios"])
-    print(f"   transformers step: median {statistics.median(result['hf']):.3f} s; oslo tp={args.tp} step: median "
-          f"{statistics.median(result['oslo']):.3f} s")
-    print(f"   per-round ratios: {', '.join(f'{r:.2f}' for r in result['ratios'])}")
-    print(f"   median ratio transformers / oslo: {ratio:.3f}x (ideal {args.tp:.1f}x; target at tp=2: >= 1.8x)")
-    breakdown = result["breakdown"]
-    total = breakdown.pop("total")
-    print("   one oslo step on rank 0, CPU self time by category (torch.profiler):")
-    for label, seconds in sorted(breakdown.items(), key=lambda item: -item[1]):
-        print(f"     {label:<24} {seconds * 1e3:8.1f} ms  {seconds / total:6.1%}")
-    if args.tp == 2:
-        print(f"   claim (>= 1.8x at tp=2): {bench.verdict(ratio >= 1.8)}")
+                 f"transformers 1 process vs oslo tp={'/'.join(map(str, args.tp))} (1 thread each)")
+    for tp in args.tp:
+        result = bench.launch(rank_fn, tp, args.n_layer, args.batch, args.seq, args.rounds, args.ablate,
+                              timeout=3600)[0]
+        report(tp, result)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from oslo.models.heads import (
     body_inputs,
     class_items,
     gather_logits_by_default,
+    logits_are_private,
 )
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
@@ -680,7 +681,9 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
             loss = None
             labels, next_sentence = head_inputs["labels"], head_inputs["next_sentence_label"]
             if labels is not None and next_sentence is not None:
-                masked_lm = MaskedLMHead._masked_lm_loss_sum(self._vocab_projection(), local_logits, labels)
+                masked_lm = MaskedLMHead._masked_lm_loss_sum(
+                    self._vocab_projection(), local_logits, labels,
+                    overwrite_logits=logits_are_private(self, gather and outputs_needed))
                 next_sentence = next_sentence.to(seq_relationship_logits.device)
                 nsp = F.cross_entropy(seq_relationship_logits.view(-1, 2), next_sentence.view(-1), reduction="sum")
                 loss = LossSum(torch.stack([masked_lm.float(), nsp.float()]), weights=(1.0, 1.0))

@@ -43,6 +43,7 @@ from oslo.models.heads import (
     body_inputs,
     class_items,
     gather_logits_by_default,
+    logits_are_private,
     output_class_for,
 )
 from oslo.parallel.context import ParallelContext
@@ -452,7 +453,9 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
                                                   reduction="sum"))
             lm_loss = None
             if head_inputs["labels"] is not None:
-                lm_loss = LossSum(self.lm_head.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
+                lm_loss = LossSum(self.lm_head.causal_lm_loss(
+                    local_logits, head_inputs["labels"], reduction="sum",
+                    overwrite_logits=logits_are_private(self, gather and outputs_needed)))
             logits = self.lm_head.gather(local_logits) if gather and outputs_needed else None
             return {"loss": lm_loss, "mc_loss": mc_loss, "logits": logits, "mc_logits": mc_logits}
 

@@ -39,6 +39,7 @@ from transformers.modeling_outputs import (
 
 from oslo.models.base import logits_not_gathered
 from oslo.models.compat import accepts_legacy_cache_name
+from oslo.parallel.dtensor import has_user_forward_hooks
 from oslo.parallel.layers import VocabParallelLMHead
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
 
@@ -87,6 +88,13 @@ def keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -
     if isinstance(logits_to_keep, torch.Tensor):
         return hidden_states[:, logits_to_keep, :]
     return hidden_states
+
+
+def logits_are_private(model: nn.Module, returned: bool) -> bool:
+    """Whether the loss may overwrite the local logits (``overwrite_logits`` of
+    :func:`~oslo.parallel.loss.vocab_parallel_cross_entropy`): they are not ``returned`` (gathered for the
+    output) and no forward hook of the user's could have kept them."""
+    return not returned and not has_user_forward_hooks(model)
 
 
 def gather_logits_by_default(model: nn.Module, gather_logits: bool | None, labels) -> bool:
@@ -174,7 +182,9 @@ class CausalLMHead(VocabularyHead):
             local_logits = self._lm_logits(keep_last(outputs.last_hidden_state, logits_to_keep))  # (B, T, V_local)
             loss = None
             if head_inputs["labels"] is not None:
-                loss = LossSum(projection.causal_lm_loss(local_logits, head_inputs["labels"], reduction="sum"))
+                loss = LossSum(projection.causal_lm_loss(
+                    local_logits, head_inputs["labels"], reduction="sum",
+                    overwrite_logits=logits_are_private(self, gather and outputs_needed)))
             logits = projection.gather(local_logits) if gather and outputs_needed else None
             return {"loss": loss, "logits": logits}
 
@@ -519,7 +529,9 @@ def unshifted_lm_head(model: nn.Module, gather: bool) -> Callable:
         local_logits = model._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
         loss = None
         if head_inputs["labels"] is not None:
-            loss = LossSum(MaskedLMHead._masked_lm_loss_sum(projection, local_logits, head_inputs["labels"]))
+            loss = LossSum(MaskedLMHead._masked_lm_loss_sum(
+                projection, local_logits, head_inputs["labels"],
+                overwrite_logits=logits_are_private(model, gather and outputs_needed)))
         logits = projection.gather(local_logits) if gather and outputs_needed else None
         return {"loss": loss, "logits": logits}
 
@@ -543,11 +555,12 @@ class MaskedLMHead(VocabularyHead):
 
     @staticmethod
     def _masked_lm_loss_sum(projection: VocabParallelLMHead, local_logits: torch.Tensor,
-                            labels: torch.Tensor) -> torch.Tensor:
+                            labels: torch.Tensor, overwrite_logits: bool = False) -> torch.Tensor:
         """Sum over the labelled positions of the cross entropy of vocabulary-split logits (no shift)."""
         start, stop = projection.weight_spec.vocab_range()
         return vocab_parallel_cross_entropy(local_logits, labels.to(local_logits.device), vocab_start=start,
-                                            valid_columns=stop - start, group=projection.group).sum()
+                                            valid_columns=stop - start, group=projection.group,
+                                            overwrite_logits=overwrite_logits).sum()
 
     def forward(
         self,

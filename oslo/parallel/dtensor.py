@@ -51,6 +51,7 @@ __all__ = [
     "distribute_parameters",
     "GradientSink",
     "gradient_sink",
+    "has_user_forward_hooks",
     "is_distributed",
     "local",
     "local_named_parameters",
@@ -349,6 +350,14 @@ def _swap_out(module: nn.Module, args, output) -> None:
     if stack:
         for name, param in stack.pop():
             module._parameters[name] = param
+
+
+def has_user_forward_hooks(model: nn.Module) -> bool:
+    """Whether a forward hook other than oslo's own (which swaps the local views out) is registered on a module of
+    ``model``, or globally: something that may keep a module's output."""
+    if nn.modules.module._global_forward_hooks:
+        return True
+    return any(hook is not _swap_out for module in model.modules() for hook in module._forward_hooks.values())
 
 
 class PipelineStageNormError(RuntimeError):

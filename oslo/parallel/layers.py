@@ -49,7 +49,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         # the backward's matmuls run under the forward's autocast, as autograd's own would on its casts
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        return _linear(x, weight, bias, transposed)
+        out = _linear(x, weight, bias, transposed)
+        # Not a view of the 2-d product (as matmul's own output is not): a loss may overwrite these logits.
+        return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
 
     @staticmethod
     def backward(ctx, grad):

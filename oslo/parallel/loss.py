@@ -29,11 +29,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: per-token cross entropy from vocab-split logits. Backward: softmax minus one-hot, locally."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, valid_columns, group, ignore_index):
+    def forward(ctx, logits, target, vocab_start, valid_columns, group, ignore_index, overwrite):
         # logits: (N, V_local) this rank's columns; columns >= valid_columns are padding. One logits-sized
         # buffer is allocated (the shifted logits, exponentiated and normalized in place into the softmax the
-        # backward pass needs): the padding columns are left out of the maximum and zeroed after exp, never
-        # copied; so every rank does the same work whether it holds padding or not.
+        # backward pass needs) — none when the caller lets the logits be overwritten (``overwrite``: float32
+        # logits nothing else reads) — the padding columns are left out of the maximum and zeroed after exp,
+        # never copied; so every rank does the same work whether it holds padding or not.
+        overwrite = overwrite and logits.dtype == torch.float32
         logits = logits.float()
         padded = valid_columns < logits.size(-1)
         row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
@@ -47,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = local_target.masked_fill(outside, 0)
         target_logit = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max).masked_fill(outside, 0.0)
 
-        exp = torch.sub(logits, row_max.unsqueeze(-1)).exp_()
+        exp = (logits.sub_(row_max.unsqueeze(-1)) if overwrite else torch.sub(logits, row_max.unsqueeze(-1))).exp_()
         if padded:
             exp[:, valid_columns:] = 0.0
         sum_exp = exp.sum(dim=-1)
@@ -72,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad.size(0), device=grad.device)
         grad[rows, local_target] -= (~outside).to(grad.dtype)
         grad.mul_((grad_loss.masked_fill(ignored, 0.0)).unsqueeze(-1))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100, classes: bool = False) -> None:
@@ -112,6 +114,7 @@ def vocab_parallel_cross_entropy(
     valid_columns: int,
     group,
     ignore_index: int = -100,
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """Per-token cross entropy (no reduction) of vocabulary-split logits.
 
@@ -122,13 +125,17 @@ def vocab_parallel_cross_entropy(
         valid_columns: Number of this rank's columns that are real tokens (the rest is padding).
         group: The tensor-parallel group (``None``: a single rank).
         ignore_index: Target value to ignore.
+        overwrite_logits: The logits are read by nothing else (not returned, not gathered): float32 logits
+            are turned into the softmax in place instead of into a new logits-sized buffer. Their values are
+            garbage afterwards; the gradients are the same.
 
     Returns:
         ``(...)`` float32 losses, identical on every rank of the group.
     """
     shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.size(-1)), target.reshape(-1), vocab_start, valid_columns, group, ignore_index
+        logits.reshape(-1, logits.size(-1)), target.reshape(-1), vocab_start, valid_columns, group, ignore_index,
+        overwrite_logits,
     )
     return loss.view(shape)
 
@@ -144,12 +151,14 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     reduction: str = "mean",
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """Next-token loss with the reduction of transformers' ``ForCausalLMLoss``, on vocab-split logits.
 
     Labels are shifted inside (position ``t`` predicts label ``t + 1``) unless ``shift_labels`` is
     given; the mean runs over non-ignored tokens, or the sum is divided by ``num_items_in_batch``.
-    ``reduction="sum"`` returns the plain sum of the per-token losses.
+    ``reduction="sum"`` returns the plain sum of the per-token losses. ``overwrite_logits``: as for
+    :func:`vocab_parallel_cross_entropy`.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
@@ -158,7 +167,7 @@ def causal_lm_loss(
     shift_labels = shift_labels.to(logits.device)
     per_token = vocab_parallel_cross_entropy(
         logits, shift_labels, vocab_start=vocab_start, valid_columns=valid_columns, group=group,
-        ignore_index=ignore_index,
+        ignore_index=ignore_index, overwrite_logits=overwrite_logits,
     )
     if reduction == "sum":
         return per_token.sum()

@@ -1,6 +1,10 @@
-"""The tied embedding and LM head share one gradient buffer per step at tp=2: the head's weight gradient, into
-which the embedding adds its rows in place. No dense vocabulary-sized embedding gradient, no second
-vocabulary-sized sum (what plain autograd allocates), and the gradients transformers gives."""
+"""The vocabulary-sized buffers of a training step at tp=2.
+
+* The tied embedding and LM head share one gradient buffer: the head's weight gradient, into which the
+  embedding adds its rows in place. No dense vocabulary-sized embedding gradient, no second vocabulary-sized
+  sum (what plain autograd allocates), and the gradients transformers gives.
+* The loss turns the local logits into its softmax in place when nothing else can read them; a forward hook
+  that keeps the head's output sees the logits intact (the loss then works on a copy)."""
 
 from __future__ import annotations
 
@@ -46,3 +50,29 @@ def test_tied_embedding_and_head_share_one_gradient_buffer(tmp_path):
     reference(input_ids=ids, labels=ids).loss.backward()
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def _hooked(rank, world_size, path, config):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size).train()
+    ids = _batch(config)
+    kept = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: kept.append(output))
+    loss = model(input_ids=ids, labels=ids).loss
+    handle.remove()
+    hidden = model.transformer(input_ids=ids).last_hidden_state
+    expected = model.lm_head(hidden)
+    torch.testing.assert_close(kept[0], expected)  # not the softmax the loss made
+    loss.backward()
+    return loss.item(), full_grads(model)
+
+
+def test_a_hook_keeping_the_logits_sees_them_intact(tmp_path):
+    config = tiny_gpt2_config(n_embd=64)
+    reference = save_reference(transformers.GPT2LMHeadModel, config, tmp_path).train()
+    results = run_distributed(_hooked, 2, str(tmp_path), config)
+    ids = _batch(config)
+    loss = reference(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for value, grads in results:
+        torch.testing.assert_close(value, loss.item())
+        torch.testing.assert_close(grads["transformer.wte.weight"], reference.transformer.wte.weight.grad)
