@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import _tp_harness as bench
@@ -176,7 +177,9 @@ def rank_fn(rank: int, world_size: int, n_layer: int, batch: int, seq: int, roun
     return {"times": times, "breakdowns": breakdowns}
 
 
-def report(tp: int, result: dict) -> None:
+def report(tp: int, result: dict) -> bool:
+    """Print the ratios of one tensor-parallel size; whether its claims (tp=2 only) hold."""
+    ok = True
     times = result["times"]
     hf = times.pop("transformers")
     print(f"   tp={tp} ({tp} processes on {os.cpu_count()} CPUs): transformers step median "
@@ -193,12 +196,14 @@ def report(tp: int, result: dict) -> None:
               f"{', '.join(f'{r:.2f}' for r in ratios)}")
         target = {"default": 1.8, "loss-only": 1.85}[name] if tp == 2 else None
         claim = f"; claim at tp=2 (>= {target}x): {bench.verdict(ratio >= target)}" if target else ""
+        ok = ok and (target is None or ratio >= target)
         print(f"     median ratio transformers / oslo: {ratio:.3f}x (ideal {min(tp, os.cpu_count()):.1f}x){claim}")
         breakdown = dict(result["breakdowns"][name])
         total = sum(breakdown.values())
         print("     one step on rank 0, CPU self time by category (torch.profiler): " + ", ".join(
             f"{label} {seconds * 1e3:.0f} ms ({seconds / total:.1%})"
             for label, seconds in sorted(breakdown.items(), key=lambda item: -item[1])))
+    return ok
 
 
 def main() -> None:
@@ -213,10 +218,13 @@ def main() -> None:
     args = parser.parse_args()
     bench.header(f"training step, gpt2-medium width, {args.n_layer} blocks, {args.batch} x {args.seq} tokens: "
                  f"transformers 1 process vs oslo tp={'/'.join(map(str, args.tp))} (1 thread each)")
+    ok = True
     for tp in args.tp:
         result = bench.launch(rank_fn, tp, args.n_layer, args.batch, args.seq, args.rounds, args.ablate,
                               timeout=3600)[0]
-        report(tp, result)
+        ok = report(tp, result) and ok
+    print(f"tp_step overall: {bench.verdict(ok)}")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
