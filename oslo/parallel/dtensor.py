@@ -7,7 +7,9 @@ The math stays oslo's. Each DTensor's local tensor is a view of a plain *storage
 own shard, with the zero rows that pad a vocabulary to a multiple of the tensor-parallel size — and the
 layers compute on the storages: for the length of a module's forward its DTensors are swapped for
 :func:`local` views of their storages, whose backward hands the gradient to the DTensor
-(:class:`_LocalView`). The forward is oslo's, with its 2 + 2 all-reduces per block; the DTensor is the
+(:class:`_LocalView`). Within a model call each parameter has one view, which every layer reading it shares,
+with a :class:`GradientSink` that those layers add their weight gradients into (a tied embedding and LM head
+fill one buffer). The forward is oslo's, with its 2 + 2 all-reduces per block; the DTensor is the
 autograd leaf (``torch.autograd.grad``, tensor hooks and optimizers work on it as on any parameter), and
 its gradient is a DTensor of the same layout.
 
