@@ -4,6 +4,7 @@ that fail within the model's timeout when a rank never joins."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -96,14 +97,25 @@ def test_fingerprint_catches_one_changed_value_of_any_dtype():
     assert run_distributed(_fingerprints, 2, timeout=60) == [3, 3]
 
 
+def _stay_away_until(marker: str, limit: float = 30.0) -> None:
+    """What the rank that never joins does: wait (without communicating) until its peer is done."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _skip_save(rank, world_size, path, target):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, timeout=3)
+    marker = os.path.join(target, "rank0-done")
     if rank == 1:
-        time.sleep(12)  # never joins the save (and outlives rank 0's wait)
+        _stay_away_until(marker)  # never joins the save (and outlives rank 0's wait)
         return None
     start = time.monotonic()
-    with pytest.raises(PeerTimeoutError) as info:
-        model.save_pretrained_with_parallel(target)
+    try:
+        with pytest.raises(PeerTimeoutError) as info:
+            model.save_pretrained_with_parallel(target)
+    finally:
+        open(marker, "w").close()
     return time.monotonic() - start, str(info.value)
 
 
@@ -113,18 +125,22 @@ def test_a_collective_one_rank_never_joins_fails_within_the_timeout(lm_checkpoin
     assert "rank 0 waited 0:00:03" in message and "saving and initialization run on every rank" in message, message
 
 
-def _lone_forward(rank, world_size, path):
+def _lone_forward(rank, world_size, path, marker):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, timeout=2)
     if rank == 1:
-        time.sleep(8)
+        _stay_away_until(marker)
         return None
-    with pytest.raises(PeerTimeoutError, match="comparing the inputs of a model call"):
-        model(input_ids=torch.tensor([[5, 6, 7]]))
+    try:
+        with pytest.raises(PeerTimeoutError, match="comparing the inputs of a model call"):
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+    finally:
+        open(marker, "w").close()
     return "raised"
 
 
-def test_a_forward_on_one_rank_only_fails_within_the_timeout(lm_checkpoint):
-    assert run_distributed(_lone_forward, 2, lm_checkpoint, timeout=60)[0] == "raised"
+def test_a_forward_on_one_rank_only_fails_within_the_timeout(lm_checkpoint, tmp_path):
+    marker = str(tmp_path / "rank0-done")
+    assert run_distributed(_lone_forward, 2, lm_checkpoint, marker, timeout=60)[0] == "raised"
 
 
 def test_timeout_must_be_positive():
