@@ -101,7 +101,7 @@ def _save_and_die(rank, world_size, source, target):
     def failing_write(tensors, path, *args):
         if rank == 1:
             raise OSError("disk full (simulated)")
-        original(tensors, path, *args)
+        return original(tensors, path, *args)
 
     ckpt._write = failing_write
     model.save_pretrained_with_parallel(target)

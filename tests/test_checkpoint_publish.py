@@ -249,7 +249,7 @@ def _merged_save_failing_on_rank_0(rank, world_size, target):
     def failing_write(tensors, path, *args):
         if rank == 0:
             raise OSError("disk full (simulated)")
-        original(tensors, path, *args)
+        return original(tensors, path, *args)
 
     ckpt._write = failing_write
     model.save_pretrained_with_parallel(target, save_with_merging=True, max_shard_size="100KB")
