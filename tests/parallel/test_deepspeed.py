@@ -15,21 +15,13 @@ import transformers
 import oslo
 from tests.distributed import run_distributed
 from tests.helpers import full_params, save_reference, tiny_gpt2_config
+from tests.scripts.train_dp import ROWS, global_batch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DS_BUILD_OPS", "0")
 import deepspeed  # noqa: E402 - after DS_ACCELERATOR; imported once here: the forked ranks inherit it
 
-ROWS, STEPS, LR, EPS, MAX_NORM = 8, 2, 1e-2, 1e-6, 0.5
-
-
-def global_batch(step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(200 + step)
-    input_ids = torch.randint(3, 1001, (ROWS, 10), generator=generator)
-    labels = input_ids.clone()
-    for row, cut in enumerate([0, 4, 2, 0, 6, 1, 3, 0]):
-        labels[row, :cut] = -100  # replicas' rows hold different numbers of label tokens
-    return dict(input_ids=input_ids, labels=labels)
+STEPS, LR, EPS, MAX_NORM = 2, 1e-2, 1e-6, 0.5  # the batches: the manual's data-parallel loop's (train_dp.py)
 
 
 def ds_config(stage: int, rows: int) -> dict:
