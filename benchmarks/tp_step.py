@@ -88,12 +88,6 @@ class _SynchronousAllReduce:
         return work
 
 
-def _plain_embedding(local_ids, outside, weight, padding_idx):
-    """oslo's embedding lookup before the gradient sink: autograd's dense embedding gradient."""
-    embedded = torch.nn.functional.embedding(local_ids, weight, padding_idx)
-    return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
 @contextlib.contextmanager
 def _undone(changes: tuple[str, ...]):
     import oslo.models.base as base
@@ -102,7 +96,7 @@ def _undone(changes: tuple[str, ...]):
 
     patches = {
         "overlap": (layers, "dist", _SynchronousAllReduce()),
-        "embedding sink": (layers, "_embedding", _plain_embedding),
+        "embedding sink": (layers, "_embedding", layers._lookup),  # autograd's dense embedding gradient
         "logits overwrite": (heads, "logits_are_private", lambda model, returned: False),
         "shared views": (base, "shared_views", contextlib.nullcontext),
     }

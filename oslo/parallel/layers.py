@@ -88,8 +88,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
     def forward(ctx, local_ids, outside, weight, padding_idx):
         ctx.save_for_backward(local_ids, outside)
         ctx.padding_idx, ctx.sink, ctx.weight_meta = padding_idx, gradient_sink(weight), weight.detach()
-        embedded = F.embedding(local_ids, weight, padding_idx)
-        return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _lookup(local_ids, outside, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad):
@@ -106,14 +105,20 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         return None, None, None, None
 
 
-def _embedding(local_ids: torch.Tensor, outside: torch.Tensor | None, weight: torch.Tensor,
-               padding_idx: int | None) -> torch.Tensor:
-    """``F.embedding`` of ``local_ids`` with the rows of ``outside`` ids zeroed; a weight that is a view with a
-    gradient sink gets its gradient rows added there in place (no dense vocabulary-sized gradient of its own)."""
-    if torch.is_grad_enabled() and weight.requires_grad and gradient_sink(weight) is not None:
-        return _VocabParallelEmbedding.apply(local_ids, outside, weight, padding_idx)
+def _lookup(local_ids: torch.Tensor, outside: torch.Tensor | None, weight: torch.Tensor,
+            padding_idx: int | None) -> torch.Tensor:
+    """``F.embedding`` of ``local_ids`` with the rows of ``outside`` ids zeroed."""
     embedded = F.embedding(local_ids, weight, padding_idx)
     return embedded if outside is None else embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _embedding(local_ids: torch.Tensor, outside: torch.Tensor | None, weight: torch.Tensor,
+               padding_idx: int | None) -> torch.Tensor:
+    """:func:`_lookup`; a weight that is a view with a gradient sink gets its gradient rows added there in place
+    (no dense vocabulary-sized gradient of its own)."""
+    if torch.is_grad_enabled() and weight.requires_grad and gradient_sink(weight) is not None:
+        return _VocabParallelEmbedding.apply(local_ids, outside, weight, padding_idx)
+    return _lookup(local_ids, outside, weight, padding_idx)
 
 
 def _tensor_parallel(parallel_context: ParallelContext | None) -> tuple[object, int, int]:
