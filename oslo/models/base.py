@@ -405,7 +405,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     # ---- losses: what a gradient averages over ---------------------------------------------------
     def _computes_in_half(self) -> bool:
         """Whether this call computes in float16 (autocast or float16 weights): gradients may overflow."""
-        device_type = self.parallel_context.device.type
+        device_type = self.device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
         return autocast or self.dtype == torch.float16
 
@@ -932,12 +932,18 @@ class OsloPreTrainedModel(PreTrainedModel):
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() convert the plain storages; the DTensors are rebuilt around them.
         if not is_distributed(self):
-            return super()._apply(fn, recurse)
-        plain_leaves = undistribute_parameters(self)
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            distribute_parameters(self, self.parallel_context, plain_leaves=plain_leaves)
+            applied = super()._apply(fn, recurse)
+        else:
+            plain_leaves = undistribute_parameters(self)
+            try:
+                applied = super()._apply(fn, recurse)
+            finally:
+                distribute_parameters(self, self.parallel_context, plain_leaves=plain_leaves)
+        # Dropout draws from the generator of the device the parameters now live on.
+        parameter = next(self.parameters(), None)
+        if parameter is not None:
+            self.parallel_context.rng.to(parameter.device)
+        return applied
 
     def resize_token_embeddings(self, *args, **kwargs):
         """Not available on a built oslo model: its vocabulary is split across ranks and padded. Build the

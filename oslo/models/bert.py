@@ -571,7 +571,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=config)  # each rank caches its own heads
         past_length = cache.get_seq_length() if cache is not None else 0
-        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
         if config.is_decoder:
             mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
                                       cache=cache)

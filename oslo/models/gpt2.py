@@ -328,7 +328,7 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             token_type_ids = token_type_ids.view(-1, input_shape[-1])
         if use_cache and cache is None:
             cache = DynamicCache(config=config)  # each rank caches its own heads
-        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]

@@ -345,7 +345,7 @@ class GPTNeoModel(StagedBody, GPTNeoPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if use_cache and cache is None:
             cache = DynamicCache(config=config)  # each rank caches its own heads
-        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.parallel_context.device)
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
         length = embeds.shape[1]
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, length)

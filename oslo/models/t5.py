@@ -522,7 +522,7 @@ class _T5Stacks(StagedBody):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         )
-        device, dtype = self.parallel_context.device, self.dtype
+        device, dtype = self.device, self.dtype
         if encoder_last_hidden_state is None and (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds (the encoder's input).")
         encoder_embeds = stand_in_embeds(input_ids, inputs_embeds if encoder_last_hidden_state is None

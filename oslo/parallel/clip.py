@@ -43,7 +43,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         else:
             (grads_split if specs[name] is not None else grads_replicated).append(grad)
 
-    device = context.device
+    # The sum travels on the backend's device; one process keeps it where the gradients are (as torch's).
+    grads_all = grads_split + grads_replicated
+    device = context.device if context.world_size > 1 or not grads_all else grads_all[0].device
     replicated_counts = context.tensor_parallel_rank == 0
     if math.isinf(norm_type):
         local = [g.detach().abs().max().float() for g in grads_split + grads_replicated]

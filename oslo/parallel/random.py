@@ -35,6 +35,13 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
+def _concrete(device: torch.device) -> torch.device:
+    """``cuda`` as the device index it means (the current one), so two spellings compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _seeded_state(seed: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -51,12 +58,24 @@ class ParallelRNG:
     """
 
     def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device) -> None:
-        self.device = device
-        self._states = {
-            "replicated": _seeded_state(seed, device),
-            "split": _seeded_state(seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank, device),
-        }
+        self._seeds = {"replicated": seed, "split": seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank}
+        self.device = _concrete(device)
+        self._states = {stream: _seeded_state(value, self.device) for stream, value in self._seeds.items()}
         self._active: str | None = None
+
+    def to(self, device: torch.device | str) -> None:
+        """Make the streams stand in for ``device``'s generator (the model's parameters moved there).
+
+        A CPU generator's state means nothing to a CUDA generator, so the streams start afresh from
+        their seeds on the new device: the same masks on every rank that moves, as at a build. Moving to
+        the device they already use keeps them where they stand."""
+        device = _concrete(torch.device(device))
+        if device == self.device or device.type == "meta":
+            return
+        if self._active is not None:
+            raise RuntimeError("the model's parameters cannot move to another device inside a forward pass")
+        self.device = device
+        self._states = {stream: _seeded_state(value, device) for stream, value in self._seeds.items()}
 
     @contextmanager
     def fork(self, stream: str) -> Iterator[None]:

@@ -1,0 +1,98 @@
+"""A model follows its parameters' device and dtype, never the context's (issue "oslo on a GPU", item 1).
+
+A GPU is not at hand here, so two stand-ins catch what a move to ``cuda`` would: the context's device is
+set to ``meta`` after the build (any tensor the forward, backward, loss or generate path still creates
+on ``parallel_context.device`` then meets the parameters' CPU tensors and raises), and the model is moved
+with ``.double()`` (any tensor created in float32 would show in the comparison with transformers'
+float64 model, whose default tolerances are 1e-7). Losses are the exception: both libraries compute the
+language-modeling loss in float32 (transformers' ``loss_function`` calls ``logits.float()``), but not
+every head of transformers does (``GPT2DoubleHeadsModel``'s is float64), so losses and the gradients
+flowing from them are compared at float32's default tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from tests.helpers import full_grads
+from tests.models import zoo
+
+CASES = zoo.all_cases()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("device-dtype")
+    for arch in dict.fromkeys(case.arch for case in CASES):
+        zoo.save_checkpoints(str(path), arch)
+    return str(path)
+
+
+def _compare(actual, expected, name: str) -> None:
+    """Every output field at float64's tolerances, the losses (computed in float32, see above) at float32's."""
+    for key, value in expected.items():
+        if key.endswith("loss") and value is not None:
+            assert actual[key] is not None, f"{name}.{key} missing"
+            torch.testing.assert_close(actual[key].double(), value.double(), rtol=1.3e-6, atol=1e-5,
+                                       msg=lambda m, k=key: f"{name}.{k}: {m}")
+        elif key not in ("cache", "past_key_values"):
+            zoo._compare(actual[key], value, f"{name}.{key}")
+
+
+def _as(value, dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
+def test_model_follows_its_parameters(root, case):
+    path = os.path.join(root, case.key)
+    reference = getattr(transformers, case.name).from_pretrained(path).to(torch.float64)
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(path).double()
+    assert model.dtype == torch.float64
+    context = model.parallel_context
+    built_on = context.device
+    context.device = torch.device("meta")  # nothing of a call may come from here
+    try:
+        batch = {k: _as(v, torch.float64) for k, v in case.batch().items()}
+        expected = reference(**batch, output_hidden_states=True)
+        actual = model(**batch, output_hidden_states=True)
+        _compare(actual, expected, case.name)
+        case.loss(expected).backward()
+        case.loss(actual).backward()
+        theirs = zoo.reference_grads(reference)
+        for name, grad in full_grads(model).items():
+            if theirs[name] is None:
+                continue
+            assert grad.dtype == torch.float64, f"{name}: {grad.dtype}"
+            torch.testing.assert_close(grad, theirs[name], rtol=1.3e-6, atol=1e-5,
+                                       msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+        model.fuse()  # the fused paths follow the parameters too
+        with torch.no_grad():
+            fused = model(**batch, output_hidden_states=True)
+            _compare(fused, reference(**batch, output_hidden_states=True), f"{case.name} fused")
+
+        if case.generate:
+            sample = case.batch()
+            prompt = dict(input_ids=sample["input_ids"][:3, :6], attention_mask=sample["attention_mask"][:3, :6],
+                          max_new_tokens=6, do_sample=False, pad_token_id=reference.config.pad_token_id or 0)
+            assert torch.equal(model.generate(**prompt), reference.generate(**prompt))
+    finally:
+        context.device = built_on
+
+
+def test_half_precision_move_runs():
+    """``.half()`` and ``.to(torch.bfloat16)`` on a built model: the call computes in that dtype."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32)
+    for dtype, move in ((torch.float16, lambda m: m.half()), (torch.bfloat16, lambda m: m.to(torch.bfloat16))):
+        model = move(oslo.GPT2LMHeadModel.from_config_with_parallel(config))
+        ids = torch.randint(0, 101, (2, 8))
+        output = model(input_ids=ids, labels=ids, gather_logits=True)
+        assert output.logits.dtype == dtype and torch.isfinite(output.loss)
+        output.loss.backward()
+        assert all(p.grad.dtype == dtype for p in model.parameters() if p.grad is not None)
