@@ -34,13 +34,17 @@ def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
-    tensor = tensor.contiguous()
     from oslo.parallel import failure
 
+    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
+    device = tensor.device
+    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    tensor = (tensor.cpu() if staged else tensor).contiguous()
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
     failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group,
                  "gathering over the tensor-parallel group")
-    return torch.cat(parts, dim=dim)
+    gathered = torch.cat(parts, dim=dim)
+    return gathered.to(device) if staged else gathered
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

@@ -101,3 +101,36 @@ def test_half_precision_move_runs():
         assert output.logits.dtype == dtype and torch.isfinite(output.loss)
         output.loss.backward()
         assert all(p.grad.dtype == dtype for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
+def test_model_moved_to_cuda(root, case):
+    """Built in a plain process (the context's device is the CPU), then ``.to("cuda")``: the forward,
+    the training call's loss and gradients, ``fuse()`` and ``generate()`` equal transformers on the same
+    device (TF32 off: both sides in true float32)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    path = os.path.join(root, case.key)
+    reference = getattr(transformers, case.name).from_pretrained(path).to("cuda")
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(path).to("cuda")
+    assert model.parallel_context.device.type == "cpu" and model.device.type == "cuda"
+    batch = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in case.batch().items()}
+    expected = reference(**batch, output_hidden_states=True)
+    actual = model(**batch, output_hidden_states=True)
+    zoo.compare_outputs(actual, expected, case.name)
+    case.loss(expected).backward()
+    case.loss(actual).backward()
+    zoo.compare_grads(model, reference, case.name)
+    model.fuse()
+    with torch.no_grad():
+        zoo.compare_outputs(model(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True),
+                            f"{case.name} fused")
+    if case.generate:
+        prompt = dict(input_ids=batch["input_ids"][:3, :6], attention_mask=batch["attention_mask"][:3, :6],
+                      max_new_tokens=6, do_sample=False, pad_token_id=reference.config.pad_token_id or 0)
+        assert torch.equal(model.generate(**prompt), reference.generate(**prompt))
+    saved = os.path.join(root, f"{case.key}-from-cuda")
+    model.save_pretrained_with_parallel(saved, save_with_merging=True)
+    again = getattr(transformers, case.name).from_pretrained(saved)
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name].cpu()), name
