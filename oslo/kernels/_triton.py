@@ -3,6 +3,13 @@
 Triton is an optional dependency: importing oslo never requires it. Every fused op keeps a torch
 reference path, used on CPU tensors, when Triton is missing, and as the oracle in tests.
 
+Each fused op is a ``torch.library`` custom operator (:func:`define_op`: ``triton_op`` when Triton is
+installed, so ``torch.compile`` sees the kernel launches; ``custom_op`` otherwise), with a registered
+autograd formula and fake implementation, so compiled graphs trace through it. Inside an op, the device
+of the tensors picks the path (:func:`launches_triton`); the public functions in front of the ops pick
+the torch expression instead for shapes where a Triton launch costs more than it saves
+(:data:`TRITON_MIN_ROWS`).
+
 Kernels are written as plain functions decorated with :func:`triton_kernel`, which jits them on
 first launch rather than at import, so whether a launch is compiled or interpreted depends on
 ``TRITON_INTERPRET`` at launch time, not on when oslo was imported.
@@ -36,6 +43,10 @@ except ImportError:  # the torch paths cover every op without it
 
 __all__ = [
     "HAS_TRITON",
+    "TRITON_MIN_ROWS",
+    "define_op",
+    "launchable",
+    "launches_triton",
     "next_power_of_2",
     "num_warps_for",
     "tl",
@@ -74,24 +85,55 @@ def triton_interpreter_ready() -> bool:
     return isinstance(getattr(tl, "sigmoid", None), InterpretedFunction)
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
+#: Below this many rows (``numel // shape[-1]``) a CUDA call of an element-wise fused op takes the torch
+#: expression: decoding (a few rows per step) is launch-bound, and the op's dispatch plus Triton's Python
+#: launcher cost ~40-80 us of CPU against ~6 us for a torch kernel launch, while the memory traffic the
+#: fusion saves is a few microseconds of GPU time at most. 8 x 1024-token training batches (8192 rows) are
+#: far above it; a 1024-token prefill is still below it. The interpreter ignores it (it exists for tests).
+TRITON_MIN_ROWS = 2048
+
+
+def use_triton(*tensors: torch.Tensor, rows: int | None = None) -> bool:
     """Decide whether a fused op should launch its Triton kernel for these tensors.
 
-    Triton is used when it is importable and either every tensor lives on a CUDA device, or
-    ``TRITON_INTERPRET=1`` is set (the CPU interpreter, meant for tests; slow). Otherwise the op runs
-    its torch path.
+    Triton is used when it is importable and either every tensor lives on a CUDA device (and, when
+    ``rows`` is given, there are at least :data:`TRITON_MIN_ROWS` of them), or ``TRITON_INTERPRET=1`` is
+    set (the CPU interpreter, meant for tests; slow). Otherwise the op runs its torch path. Traceable by
+    ``torch.compile``: while compiling, only the devices decide (no environment read).
 
     Args:
         tensors: the op's tensor inputs.
+        rows: the number of rows the op processes, for element-wise ops; None: no row threshold.
 
     Returns:
         True to run the Triton kernel, False to run the torch path.
     """
     if not HAS_TRITON:
         return False
-    if triton_interpret_enabled():
+    if not torch.compiler.is_compiling() and triton_interpret_enabled():
         return True
-    return all(t.is_cuda for t in tensors)
+    if not all(t.is_cuda for t in tensors):
+        return False
+    return rows is None or rows >= TRITON_MIN_ROWS
+
+
+def launches_triton(tensor: torch.Tensor) -> bool:
+    """Inside a custom op: whether its implementation launches the Triton kernel for ``tensor``.
+
+    CUDA tensors (real, or fake while ``torch.compile`` traces the op) launch it; CPU tensors launch it in
+    the interpreter when ``TRITON_INTERPRET=1`` is set and this process can interpret, except fake ones
+    (tracing, or ``torch.library.opcheck``'s fake-tensor checks), which take the torch reference: it gives
+    the same shapes and dtypes, and the interpreter cannot run on fake tensors.
+    """
+    if not HAS_TRITON:
+        return False
+    if tensor.is_cuda:
+        return True
+    if tensor.device.type != "cpu" or not triton_interpret_enabled() or not triton_interpreter_ready():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(tensor)
 
 
 class LazyTritonKernel:
@@ -107,6 +149,10 @@ class LazyTritonKernel:
         self._variants: dict[bool, Any] = {}
 
     def __getitem__(self, grid: Any) -> Any:
+        return self.jitted()[grid]
+
+    def jitted(self) -> Any:
+        """The ``triton.jit`` function for the current mode (interpreted or compiled), jitted once."""
         interpret = triton_interpret_enabled()
         kernel = self._variants.get(interpret)
         if kernel is None:
@@ -126,7 +172,7 @@ class LazyTritonKernel:
             # triton.jit returns an interpreted function when TRITON_INTERPRET=1 is set right now.
             kernel = triton.jit(self.fn)
             self._variants[interpret] = kernel
-        return kernel[grid]
+        return kernel
 
     def __repr__(self) -> str:
         return f"LazyTritonKernel({self.__name__})"
@@ -152,3 +198,43 @@ def next_power_of_2(n: int) -> int:
 def num_warps_for(block_size: int) -> int:
     """A warp count that keeps roughly 256-element chunks per warp for a row-wise kernel."""
     return max(1, min(16, block_size // 256))
+
+
+def launchable(kernel: LazyTritonKernel) -> Any:
+    """``kernel`` ready to launch inside a ``triton_op``: ``launchable(kernel)[grid](*args)``.
+
+    Wrapped with ``torch.library.wrap_triton`` so that ``torch.compile`` records the launch in its graph
+    (in eager mode ``triton_op`` turns the wrapper off: a direct launch). Interpreted kernels run as they
+    are (older torch releases' ``wrap_triton`` refuses them).
+    """
+    jitted = kernel.jitted()
+    if triton_interpret_enabled():
+        return jitted
+    return torch.library.wrap_triton(jitted)
+
+
+def define_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Decorator registering a fused op's implementation as the custom operator ``name``.
+
+    With Triton installed this is ``torch.library.triton_op``: the implementation (which must use only
+    torch operators and kernels launched through :func:`launchable`) is also the fake implementation, and
+    ``torch.compile`` traces into it, so Inductor sees the Triton launches. Without Triton it is
+    ``torch.library.custom_op`` with the implementation (then pure torch) registered as fake too.
+
+    Args:
+        name: ``"oslo::op_name"``.
+        mutates_args: names of the arguments the implementation writes to.
+
+    Returns:
+        A decorator turning the implementation into a ``CustomOpDef`` (call it like the function;
+        ``register_autograd`` on it).
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        if HAS_TRITON:
+            return torch.library.triton_op(name, fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        op.register_fake(fn)
+        return op
+
+    return decorate

@@ -3,10 +3,15 @@
 Three parts, as for every oslo kernel:
 
 1. Triton kernels (``_bias_gelu_forward_kernel`` / ``_bias_gelu_backward_kernel``): one pass over
-   ``x`` each; the backward recomputes ``gelu'(x + bias)`` instead of saving the activation.
-2. ``_BiasGeLUFunction``: the ``torch.autograd.Function`` launching them.
-3. ``bias_gelu`` / ``FusedBiasGeLU``: the thin entry points. On CPU tensors (or without Triton) they
-   run the torch reference ``gelu(x + bias)``, which is exactly the unfused math.
+   ``x`` each; the backward recomputes ``gelu'(x + bias)`` from the saved input ``x`` (the linear layer's
+   output, which the unfused layer keeps too) instead of saving the activation or ``x + bias``.
+2. The custom ops ``oslo::bias_gelu`` and ``oslo::bias_gelu_backward`` launching them (``triton_op``:
+   ``torch.compile`` traces into them), with the autograd formula registered; on tensors that do not
+   launch Triton their implementation is the torch reference (``gelu(x + bias)`` and aten's
+   ``gelu_backward``).
+3. ``bias_gelu`` / ``FusedBiasGeLU``: the thin entry points. On CPU tensors (or without Triton), and on
+   CUDA below :data:`~oslo.kernels._triton.TRITON_MIN_ROWS` rows (decoding: launch-bound), they run the
+   torch expression ``gelu(x + bias)``, which is exactly the unfused math.
 
 Hugging Face configs name their activation (``config.activation_function`` / ``config.hidden_act``);
 :func:`gelu_approximation_for_activation` maps those names to ``"none"`` (erf) or ``"tanh"`` and refuses
@@ -19,7 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oslo.kernels._triton import HAS_TRITON, tl, triton, triton_kernel, use_triton
+from oslo.kernels._triton import (
+    HAS_TRITON,
+    define_op,
+    launchable,
+    launches_triton,
+    tl,
+    triton,
+    triton_kernel,
+    use_triton,
+)
 
 __all__ = [
     "HF_GELU_APPROXIMATIONS",
@@ -164,7 +178,7 @@ _BLOCK_SIZE = 1024
 
 def _launch(kernel, *tensors: torch.Tensor, n_elements: int, hidden_size: int, approximate: str) -> None:
     grid = (triton.cdiv(n_elements, _BLOCK_SIZE),)
-    kernel[grid](
+    launchable(kernel)[grid](
         *tensors,
         n_elements,
         hidden_size,
@@ -174,50 +188,60 @@ def _launch(kernel, *tensors: torch.Tensor, n_elements: int, hidden_size: int, a
     )
 
 
-class _BiasGeLUFunction(torch.autograd.Function):
-    """Forward: ``gelu(x + bias)`` in one kernel. Backward: recompute ``gelu'(x + bias)`` in one kernel."""
+@define_op("oslo::bias_gelu")
+def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``gelu(x + bias)`` in one kernel; ``x`` and ``bias`` of one dtype."""
+    if not launches_triton(x):
+        return F.gelu(x + bias, approximate=approximate)
+    x = x.contiguous()
+    bias = bias.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() > 0:
+        _launch(
+            _bias_gelu_forward_kernel, x, bias, out, n_elements=x.numel(), hidden_size=x.shape[-1],
+            approximate=approximate,
+        )
+    return out
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
-        x = x.contiguous()
-        bias = bias.contiguous()
-        out = torch.empty_like(x)
-        if x.numel() > 0:
-            _launch(
-                _bias_gelu_forward_kernel,
-                x,
-                bias,
-                out,
-                n_elements=x.numel(),
-                hidden_size=x.shape[-1],
-                approximate=approximate,
-            )
-        ctx.save_for_backward(x, bias)
-        ctx.approximate = approximate
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, bias = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_in = torch.empty_like(x)
-        if x.numel() > 0:
-            _launch(
-                _bias_gelu_backward_kernel,
-                grad_out,
-                x,
-                bias,
-                grad_in,
-                n_elements=x.numel(),
-                hidden_size=x.shape[-1],
-                approximate=ctx.approximate,
-            )
-        grad_bias = grad_in.reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return grad_in, grad_bias, None
+@define_op("oslo::bias_gelu_backward")
+def _bias_gelu_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str
+) -> torch.Tensor:
+    """``grad_out * gelu'(x + bias)`` in one kernel (the gradient of ``x``)."""
+    if not launches_triton(x):
+        return torch.ops.aten.gelu_backward(grad_out, x + bias, approximate=approximate)
+    grad_out = grad_out.contiguous()
+    x = x.contiguous()
+    bias = bias.contiguous()
+    grad_in = torch.empty_like(x)
+    if x.numel() > 0:
+        _launch(
+            _bias_gelu_backward_kernel, grad_out, x, bias, grad_in, n_elements=x.numel(),
+            hidden_size=x.shape[-1], approximate=approximate,
+        )
+    return grad_in
+
+
+def _bias_gelu_setup_context(ctx, inputs, output) -> None:
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
+
+
+def _bias_gelu_backward(ctx, grad_out: torch.Tensor):
+    x, bias = ctx.saved_tensors
+    grad_in = _bias_gelu_backward_op(grad_out, x, bias, ctx.approximate)
+    grad_bias = grad_in.reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+    return grad_in, grad_bias, None
+
+
+_bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup_context)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """Fused ``gelu(x + bias)``: Triton on CUDA, the torch reference on CPU.
+    """Fused ``gelu(x + bias)``: the ``oslo::bias_gelu`` op (Triton) on CUDA, the torch expression on CPU
+    and on CUDA below :data:`~oslo.kernels._triton.TRITON_MIN_ROWS` rows.
 
     The output matches the unfused ``torch.nn.functional.gelu(x + bias, approximate=...)``: ``x + bias``
     is rounded to the storage dtype before the activation, which is then computed in fp32. When ``x``
@@ -237,10 +261,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     if torch.is_autocast_enabled(x.device.type):
         # Autocast runs the unfused F.linear(input, weight, bias) with the bias in the autocast dtype.
         bias = bias.to(x.dtype)
-    if not use_triton(x, bias):
+    if not use_triton(x, bias, rows=x.numel() // max(x.shape[-1], 1)):
         return F.gelu(x + bias, approximate=approximate)
     dtype = torch.promote_types(x.dtype, bias.dtype)
-    return _BiasGeLUFunction.apply(x.to(dtype), bias.to(dtype), approximate)
+    return _bias_gelu_op(x.to(dtype), bias.to(dtype), approximate)
 
 
 class FusedBiasGeLU(nn.Module):

@@ -4,9 +4,16 @@ Three parts, as for every oslo kernel:
 
 1. Triton kernels: one program per score row; the forward reads the row once (plus the mask) and
    writes the probabilities; the backward reads probabilities and output gradient once.
-2. ``_ScaledMaskedSoftmaxFunction``: the ``torch.autograd.Function`` launching them.
+2. The custom ops ``oslo::scaled_masked_softmax`` and ``oslo::scaled_masked_softmax_backward``
+   launching them (``triton_op``: ``torch.compile`` traces into them), with the autograd formula
+   registered; on tensors that do not launch Triton their implementation is the torch reference.
 3. ``scaled_masked_softmax`` / ``FusedScaleMaskSoftmax``: thin entry points; on CPU tensors (or
    without Triton) they run ``scaled_masked_softmax_reference``, written with plain torch ops.
+
+Only attention that must materialize its scores uses this (transformers' eager attention, or
+``output_attentions=True``); otherwise the models keep ``F.scaled_dot_product_attention`` (flash,
+cuDNN, memory-efficient), fused or not. There is no row threshold: the torch path is about ten kernel
+launches, more CPU time than the one fused launch even at decode shapes.
 
 Mask semantics (transformers 5)
 -------------------------------
@@ -49,7 +56,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from oslo.kernels._triton import HAS_TRITON, next_power_of_2, num_warps_for, tl, triton_kernel, use_triton
+from oslo.kernels._triton import (
+    HAS_TRITON,
+    define_op,
+    launchable,
+    launches_triton,
+    next_power_of_2,
+    num_warps_for,
+    tl,
+    triton_kernel,
+    use_triton,
+)
 
 __all__ = ["FusedScaleMaskSoftmax", "scaled_masked_softmax", "scaled_masked_softmax_reference"]
 
@@ -234,71 +251,81 @@ if HAS_TRITON:
         tl.store(grad_in_ptr + row * k_len + cols, grad_in.to(grad_in_ptr.dtype.element_ty), mask=in_range)
 
 
-class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
-    """Forward: one kernel per row computing ``softmax(mask(scores * scale))``.
-    Backward: one kernel per row computing ``scale * p * (g - sum(p * g))``. The mask gets no gradient;
-    keys masked by the mask, ``causal`` or ``window`` have ``p = 0``, hence a zero gradient."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        scores: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        causal: bool,
-        window: int | None,
-    ) -> torch.Tensor:
-        scores = scores.contiguous()
-        batch, heads, q_len, k_len = scores.shape
-        probs = torch.empty_like(scores)
-        block_k = next_power_of_2(k_len)
-        # window >= k_len cuts nothing (every key j >= 0 > i_abs - window): run the plain causal kernel.
-        windowed = causal and window is not None and window < k_len
-        if mask is None:
-            mask_kind, mask_arg, strides, round_sum = 0, scores, (0, 0, 0, 0), False
+@define_op("oslo::scaled_masked_softmax")
+def _scaled_masked_softmax_op(
+    scores: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, window: int
+) -> torch.Tensor:
+    """One kernel per row computing ``softmax(mask(scores * scale))``; ``window`` 0 means none."""
+    if not launches_triton(scores):
+        return scaled_masked_softmax_reference(scores, mask, scale, causal, window=window or None)
+    scores = scores.contiguous()
+    batch, heads, q_len, k_len = scores.shape
+    probs = torch.empty_like(scores)
+    block_k = next_power_of_2(k_len)
+    # window >= k_len cuts nothing (every key j >= 0 > i_abs - window): run the plain causal kernel.
+    windowed = causal and 0 < window < k_len
+    if mask is None:
+        mask_kind, mask_arg, strides, round_sum = 0, scores, (0, 0, 0, 0), False
+    else:
+        expanded = mask.expand(batch, heads, q_len, k_len)
+        strides = expanded.stride()
+        if mask.dtype == torch.bool:
+            mask_kind, mask_arg, round_sum = 1, expanded.view(torch.uint8), False
         else:
-            expanded = mask.expand(batch, heads, q_len, k_len)
-            strides = expanded.stride()
-            if mask.dtype == torch.bool:
-                mask_kind, mask_arg, round_sum = 1, expanded.view(torch.uint8), False
-            else:
-                mask_kind, mask_arg = 2, expanded
-                promoted = torch.promote_types(scores.dtype, mask.dtype)
-                round_sum = promoted == scores.dtype and scores.dtype in _LOW_PRECISION
-        if probs.numel() > 0:
-            _scaled_masked_softmax_forward_kernel[(batch * heads * q_len,)](
-                scores,
-                mask_arg,
-                probs,
-                heads,
-                q_len,
-                k_len,
-                *strides,
-                float(scale),
-                window if windowed else 0,
-                MASK_KIND=mask_kind,
-                ROUND_SUM=round_sum,
-                CAUSAL=causal,
-                WINDOWED=windowed,
-                BLOCK_K=block_k,
-                num_warps=num_warps_for(block_k),
-            )
-        ctx.save_for_backward(probs)
-        ctx.scale = float(scale)
-        return probs
+            mask_kind, mask_arg = 2, expanded
+            promoted = torch.promote_types(scores.dtype, mask.dtype)
+            round_sum = promoted == scores.dtype and scores.dtype in _LOW_PRECISION
+    if probs.numel() > 0:
+        launchable(_scaled_masked_softmax_forward_kernel)[(batch * heads * q_len,)](
+            scores,
+            mask_arg,
+            probs,
+            heads,
+            q_len,
+            k_len,
+            *strides,
+            float(scale),
+            window if windowed else 0,
+            MASK_KIND=mask_kind,
+            ROUND_SUM=round_sum,
+            CAUSAL=causal,
+            WINDOWED=windowed,
+            BLOCK_K=block_k,
+            num_warps=num_warps_for(block_k),
+        )
+    return probs
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (probs,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_in = torch.empty_like(probs)
-        k_len = probs.shape[-1]
-        block_k = next_power_of_2(k_len)
-        if probs.numel() > 0:
-            _scaled_masked_softmax_backward_kernel[(probs.numel() // k_len,)](
-                grad_out, probs, grad_in, k_len, ctx.scale, BLOCK_K=block_k, num_warps=num_warps_for(block_k)
-            )
-        return grad_in, None, None, None, None
+
+@define_op("oslo::scaled_masked_softmax_backward")
+def _scaled_masked_softmax_backward_op(grad_out: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """One kernel per row computing ``scale * p * (g - sum(p * g))``."""
+    if not launches_triton(probs):
+        p, g = probs.float(), grad_out.float()
+        return (scale * p * (g - (p * g).sum(-1, keepdim=True))).to(probs.dtype)
+    grad_out = grad_out.contiguous()
+    probs = probs.contiguous()
+    grad_in = torch.empty_like(probs)
+    k_len = probs.shape[-1]
+    block_k = next_power_of_2(k_len)
+    if probs.numel() > 0:
+        launchable(_scaled_masked_softmax_backward_kernel)[(probs.numel() // k_len,)](
+            grad_out, probs, grad_in, k_len, float(scale), BLOCK_K=block_k, num_warps=num_warps_for(block_k)
+        )
+    return grad_in
+
+
+def _softmax_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output)
+    ctx.scale = float(inputs[2])
+
+
+def _softmax_backward(ctx, grad_out: torch.Tensor):
+    # The mask gets no gradient; keys masked by it, by causality or by the window have p = 0, hence 0.
+    (probs,) = ctx.saved_tensors
+    return _scaled_masked_softmax_backward_op(grad_out, probs, ctx.scale), None, None, None, None
+
+
+_scaled_masked_softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
 def scaled_masked_softmax(
@@ -309,7 +336,8 @@ def scaled_masked_softmax(
     *,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Fused ``softmax(scores * scale [+ mask])``: Triton on CUDA, the torch reference on CPU.
+    """Fused ``softmax(scores * scale [+ mask])``: the ``oslo::scaled_masked_softmax`` op (Triton) on CUDA,
+    the torch reference on CPU.
 
     Mask kinds, precision and fully masked rows are described in the module docstring.
 
@@ -334,7 +362,7 @@ def scaled_masked_softmax(
     tensors = (scores,) if mask is None else (scores, mask)
     if not use_triton(*tensors):
         return scaled_masked_softmax_reference(scores, mask, scale, causal, window=window)
-    return _ScaledMaskedSoftmaxFunction.apply(scores, mask, scale, causal, window)
+    return _scaled_masked_softmax_op(scores, mask, float(scale), causal, window or 0)
 
 
 class FusedScaleMaskSoftmax(nn.Module):

@@ -213,7 +213,8 @@ def _check_window_against_gpt_neo(device, dtype, q_len, k_len, window, kind):
     expected = _gpt_neo_reference(reference_scores, window, None if mask is None else mask.cpu())
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     (got,) = torch.autograd.grad(out, scores, grad.to(out))
-    (want,) = torch.autograd.grad(expected, reference_scores, grad.to(out).float())
+    # The oracle runs on the CPU: the same gradient, rounded to the dtype, kept there.
+    (want,) = torch.autograd.grad(expected, reference_scores, grad.to(out.dtype).float())
     out, got = out.detach().cpu().float(), got.cpu().float()
     assert scores.dtype == dtype and not out.isnan().any() and not got.isnan().any()
     if dtype == torch.float32:
