@@ -248,6 +248,30 @@ def test_an_id_outside_the_vocabulary_on_one_rank_fails_every_rank(lm_checkpoint
     assert "found its own inputs fine: the ranks were given different inputs" in mine, mine
 
 
+def _unseeded_batch(rank, world_size, path):
+    from oslo.parallel import InputMismatchError
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
+    torch.seed()  # what a fresh process under torchrun starts from: a seed of its own
+    with pytest.raises(InputMismatchError) as values:
+        model(input_ids=torch.randint(3, 1001, (2, 8)))
+    with pytest.raises(InputMismatchError) as shapes:
+        model(input_ids=torch.randint(3, 1001, (2, 8 + rank)))
+    torch.manual_seed(1234)  # the fix the message names: the same seed on every rank, before drawing
+    model(input_ids=torch.randint(3, 1001, (2, 8)))
+    return str(values.value), str(shapes.value)
+
+
+def test_a_batch_drawn_without_a_seed_is_named_as_the_cause(lm_checkpoint):
+    """Same shapes, other values on each rank: the message names the unseeded generator and the seed to set,
+    beside the sampler advice; a shape that differs is not blamed on the seed."""
+    for values, shapes in run_distributed(_unseeded_batch, 2, lm_checkpoint, timeout=60):
+        for fragment in ("tensor int64 of shape (2, 8)", "unseeded random generator", "differs on every process",
+                         "torch.manual_seed(1234)", "the same seed on every rank", "DistributedSampler("):
+            assert fragment in values, f"{fragment!r} not in {values}"
+        assert "DistributedSampler(" in shapes and "shape (2, 9)" in shapes and "seed" not in shapes, shapes
+
+
 def _positions_outside(rank, world_size, path, tp):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp

@@ -139,7 +139,8 @@ def check_same_inputs(
     described: list[list[str] | None] = [None] * group_size(group)
     with naming_timeouts(context, "describing inputs that differ across the model-parallel group", group=group):
         dist.all_gather_object(described, per_input, group=group)
-    raise InputMismatchError(_mismatch_message(context, described))
+    values_only = all(g[0] == gathered[0][0] for g in gathered)  # same structure, shapes and dtypes
+    raise InputMismatchError(_mismatch_message(context, described, values_only))
 
 
 def _raise_on_every_rank(context: ParallelContext, error: Exception | None, failed: list[int]) -> None:
@@ -266,7 +267,8 @@ def _rank_name(context: ParallelContext, index: int) -> str:
     return f"global rank {context.get_model_parallel_src_rank() + index} ({', '.join(where)})"
 
 
-def _mismatch_message(context: ParallelContext, described: list[list[str]]) -> str:
+def _mismatch_message(context: ParallelContext, described: list[list[str]], values_only: bool = False) -> str:
+    """The error's text; ``values_only``: the inputs have the same structure, shapes and dtypes on every rank."""
     reference = described[0]
     lines = []
     for index, inputs in enumerate(described[1:], start=1):
@@ -277,6 +279,13 @@ def _mismatch_message(context: ParallelContext, described: list[list[str]]) -> s
             differing = [(" / ".join(reference), " / ".join(inputs))]
         ours, theirs = differing[0]
         lines.append(f"{_rank_name(context, index)} got [{theirs}] where {_rank_name(context, 0)} got [{ours}]")
+    seeding = (
+        " The inputs have the same shapes and dtypes and differ only in their values: a batch drawn from an "
+        "unseeded random generator (torch.randint, torch.randn, a shuffling DataLoader) differs on every "
+        "process, as each process starts from its own random seed. Seed it before drawing the batch, with the "
+        "same seed on every rank: torch.manual_seed(1234) (or generator=torch.Generator().manual_seed(1234)); "
+        "to give each data-parallel replica its own batch, add model.mpu.get_data_parallel_rank() to the seed."
+    ) if values_only else ""
     return (
         "the ranks of one tensor/pipeline-parallel group were given different inputs: "
         + "; ".join(lines)
@@ -284,6 +293,7 @@ def _mismatch_message(context: ParallelContext, described: list[list[str]]) -> s
         "shard the data over the data-parallel group only, e.g. DistributedSampler(dataset, "
         "num_replicas=model.mpu.get_data_parallel_world_size(), rank=model.mpu.get_data_parallel_rank()), "
         "and pass the same options on every rank."
+        + seeding
     )
 
 
