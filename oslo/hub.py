@@ -238,11 +238,20 @@ def _index_files(path: str, index: str, names: list[str]) -> list[str]:
         return [name for name in sorted(names) if fnmatch.fnmatchcase(name, _SHARD_PATTERNS[index])]
 
 
+def _not_a_directory(name: str) -> str:
+    """The first half of an error for a name that is neither here nor on the Hub: where it was looked for on disk
+    (a mistyped relative path, ``"tiny-gtp2"``, becomes a Hub name; the user must learn that no such directory
+    exists before reading why the Hub did not have it)."""
+    return f"{name!r} is not a local directory (no directory {os.path.abspath(name)!r} exists)"
+
+
 def _hub_error(exc: Exception, repo_id: str, revision, cache_dir, local_files_only: bool, offline: bool,
                reader: bool) -> OSError:
-    """transformers' message for a failed Hub look-up, naming the repository."""
+    """transformers' message for a failed Hub look-up, naming the repository; when the name was not found, the
+    message says first that no local directory of that name exists, and where it looked."""
     revision = revision or constants.DEFAULT_REVISION
     cache = os.fspath(cache_dir) if cache_dir is not None else constants.HF_HUB_CACHE
+    here = _not_a_directory(repo_id)
     if isinstance(exc, RevisionNotFoundError):
         return OSError(
             f"{revision!r} is not a valid git identifier (branch name, tag name or commit id) that exists for the "
@@ -255,9 +264,9 @@ def _hub_error(exc: Exception, repo_id: str, revision, cache_dir, local_files_on
         )
     if isinstance(exc, RepositoryNotFoundError):
         return OSError(
-            f"{repo_id!r} is not a local directory and is not a valid model identifier listed on "
-            "'https://huggingface.co/models'. If this is a private repository, pass a token having permission "
-            "to it (token=<your token>, or log in with `hf auth login`)."
+            f"{here}, and it is not a valid model identifier listed on 'https://huggingface.co/models'. Check the "
+            "path (relative paths start from the working directory) or the name; if this is a private repository, "
+            "pass a token having permission to it (token=<your token>, or log in with `hf auth login`)."
         )
     if isinstance(exc, LocalEntryNotFoundError):
         if reader:
@@ -269,19 +278,21 @@ def _hub_error(exc: Exception, repo_id: str, revision, cache_dir, local_files_on
         if offline:
             why = "local_files_only=True" if local_files_only else "HF_HUB_OFFLINE=1"
             return OSError(
-                f"{repo_id!r} is not a local directory, and it could not be found in the Hugging Face cache "
-                f"({cache}, revision {revision!r}) with {why}: nothing is downloaded in that mode. Download it "
-                f"once with network access (`hf download {repo_id}`, or this call without {why}), or pass the path "
-                f"of a checkpoint directory.\n{exc}"
+                f"{here}, and it could not be found in the Hugging Face cache ({cache}, revision {revision!r}) "
+                f"with {why}: nothing is downloaded in that mode. Check the path (relative paths start from the "
+                f"working directory), pass the path of a checkpoint directory, or download the model once with "
+                f"network access (`hf download {repo_id}`, or this call without {why}).\n{exc}"
             )
         return OSError(
-            f"We couldn't connect to '{constants.ENDPOINT}' to load {repo_id!r}, and couldn't find it in the "
-            f"Hugging Face cache ({cache}, revision {revision!r}). Check your internet connection, or see how to "
-            f"run offline at 'https://huggingface.co/docs/transformers/installation#offline-mode'.\n{exc}"
+            f"{here}, and looking it up on the Hugging Face Hub failed: we couldn't connect to "
+            f"'{constants.ENDPOINT}' to load {repo_id!r}, and couldn't find it in the Hugging Face cache ({cache}, "
+            f"revision {revision!r}). Check the path (relative paths start from the working directory); for a Hub "
+            "model, check your internet connection, or see how to run offline at "
+            f"'https://huggingface.co/docs/transformers/installation#offline-mode'.\n{exc}"
         )
     if isinstance(exc, HFValidationError):
-        return OSError(f"{repo_id!r} is neither a local directory nor a valid Hub repository id: {exc}")
-    return OSError(f"There was a connection error when trying to load {repo_id!r} from the Hugging Face Hub:\n{exc}")
+        return OSError(f"{here}, and it is not a valid Hub repository id either: {exc}")
+    return OSError(f"{here}, and there was a connection error when trying to load it from the Hugging Face Hub:\n{exc}")
 
 
 def _on_every_rank(context: ParallelContext | None, step: Callable[[], Any] | None, what: str) -> list[Any]:

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import time
 
 import huggingface_hub
@@ -299,3 +300,32 @@ def test_ranks_resolving_different_commits_are_refused(sources, tmp_path):
     put_in_cache(caches[1], "org/name", COMMIT_B, sources[1][0])
     for message in run_distributed(_load_from_own_cache, 2, caches, timeout=60):
         assert "different commits" in message and COMMIT_A in message and COMMIT_B in message
+
+
+def test_a_mistyped_relative_path_says_no_such_directory_offline(cache, tmp_path, monkeypatch):
+    """``"tiny-gtp2"`` (for ``tiny-gpt2``) has the form of a Hub name: one OSError says both that no directory of
+    that name exists (and where it looked) and what the Hub's cache answered."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError) as info:
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel("tiny-gtp2", cache_dir=cache)
+    message = str(info.value)
+    assert message.startswith(f"'tiny-gtp2' is not a local directory (no directory {str(tmp_path / 'tiny-gtp2')!r} "
+                              "exists)"), message
+    assert "could not be found in the Hugging Face cache" in message and "HF_HUB_OFFLINE=1" in message, message
+
+
+def test_a_mistyped_relative_path_says_no_such_directory_when_the_hub_is_unreachable(cache, tmp_path, monkeypatch):
+    with socket.socket() as sock:  # a port nothing listens on: the connection is refused at once
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    monkeypatch.chdir(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(OSError) as info:  # transformers' error type: code that catches it keeps working
+        oslo.GPT2LMHeadModel.from_pretrained_with_parallel("tiny-gtp2", cache_dir=cache)
+    message = str(info.value)
+    assert message.startswith(f"'tiny-gtp2' is not a local directory (no directory {str(tmp_path / 'tiny-gtp2')!r} "
+                              "exists)"), message
+    assert f"couldn't connect to '{endpoint}'" in message and "Check the path" in message, message
+    assert time.monotonic() - start < 30
