@@ -49,7 +49,13 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
 
-from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
+from oslo.kernels import (
+    HF_GELU_APPROXIMATIONS,
+    bias_dropout_add,
+    bias_gelu,
+    fused_bias_dropout_add_pays,
+    scaled_masked_softmax,
+)
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
@@ -140,7 +146,8 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     """Self-attention over this rank's heads: ``query``, ``key``, ``value`` column-parallel. Returns this
     rank's heads' output ``(B, T, nh_local * hs)`` (``attention.output.dense`` sums over the ranks).
-    ``fuse()`` switches scale + mask + softmax to oslo's fused kernel."""
+    ``fuse()`` switches scale + mask + softmax to oslo's fused kernel where the scores are materialized
+    (eager attention, or ``output_attentions=True``); sdpa stays sdpa."""
 
     def __init__(
         self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
@@ -194,7 +201,8 @@ class BertSelfAttention(nn.Module):
         dropout = self.dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
         with self.rng.split() if dropout > 0 else nullcontext():
-            if self.fused:
+            if self.fused and (output_attentions or self.config._attn_implementation == "eager"):
+                # Scores are materialized: the fused softmax. Otherwise sdpa (flash, cuDNN) serves fused too.
                 scores = query @ key.transpose(-1, -2)  # (B, nh_local, T, T_past + T)
                 # Without a mask (sdpa's fast paths) a decoder's kernel applies causality itself.
                 probs = scaled_masked_softmax(scores, attention_mask, self.scaling,
@@ -216,7 +224,8 @@ class BertSelfAttention(nn.Module):
 
 class BertSelfOutput(nn.Module):
     """``LayerNorm(residual + dropout(dense(attention)))``, ``dense`` row-parallel (one all-reduce).
-    ``fuse()`` switches bias + dropout + residual to oslo's fused kernel."""
+    ``fuse()`` switches bias + dropout + residual to oslo's fused kernel where it pays
+    (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(self, config: BertConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -229,7 +238,7 @@ class BertSelfOutput(nn.Module):
         self.fused = True
 
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.dense(hidden_states, skip_bias_add=True)
             bias = local(self.dense.bias)
             return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))
@@ -285,7 +294,8 @@ class BertIntermediate(nn.Module):
 
 class BertOutput(nn.Module):
     """``LayerNorm(residual + dropout(dense(intermediate)))``, ``dense`` row-parallel (one all-reduce).
-    ``fuse()`` switches bias + dropout + residual to oslo's fused kernel."""
+    ``fuse()`` switches bias + dropout + residual to oslo's fused kernel where it pays
+    (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(self, config: BertConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -299,7 +309,7 @@ class BertOutput(nn.Module):
         self.fused = True
 
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.dense(hidden_states, skip_bias_add=True)
             bias = local(self.dense.bias)
             return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))

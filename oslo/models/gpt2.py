@@ -31,7 +31,13 @@ from transformers.models.gpt2.modeling_gpt2 import (
     eager_attention_forward,
 )
 
-from oslo.kernels import bias_dropout_add, bias_gelu, gelu_approximation_for_activation, scaled_masked_softmax
+from oslo.kernels import (
+    bias_dropout_add,
+    bias_gelu,
+    fused_bias_dropout_add_pays,
+    gelu_approximation_for_activation,
+    scaled_masked_softmax,
+)
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
@@ -60,8 +66,10 @@ from oslo.parallel.pipeline import StageLayers
 
 
 class GPT2Attention(nn.Module):
-    """Causal self-attention over this rank's heads. ``fuse()`` switches scale + mask + softmax and
-    bias + dropout + residual to oslo's fused kernels (Triton on CUDA, torch reference on CPU)."""
+    """Causal self-attention over this rank's heads. ``fuse()`` switches scale + mask + softmax to oslo's
+    fused kernel (Triton on CUDA, torch reference on CPU) where the scores are materialized (eager
+    attention, or ``output_attentions=True``; sdpa stays sdpa), and bias + dropout + residual where that
+    kernel pays (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(
         self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
@@ -117,7 +125,8 @@ class GPT2Attention(nn.Module):
         dropout = self.attn_dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
         with self.rng.split() if dropout > 0 else nullcontext():
-            if self.fused:
+            if self.fused and (output_attentions or self.config._attn_implementation == "eager"):
+                # Scores are materialized: the fused softmax. Otherwise sdpa (flash, cuDNN) serves fused too.
                 attn_output, attn_weights = self._fused_attention(query, key, value, attention_mask, dropout)
             else:
                 attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -127,7 +136,7 @@ class GPT2Attention(nn.Module):
                     self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
                 )
         attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
-        if self.fused:
+        if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
             out = self.c_proj(attn_output, skip_bias_add=True)
             bias = local(self.c_proj.bias)
             hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
@@ -147,8 +156,8 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + GeLU and
-    bias + dropout + residual to oslo's fused kernels."""
+    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + GeLU to oslo's fused
+    kernel, and bias + dropout + residual where that kernel pays."""
 
     def __init__(self, intermediate_size: int, config: GPT2Config, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -174,9 +183,11 @@ class GPT2MLP(nn.Module):
         if self.fused:
             hidden_states = self.c_fc(hidden_states, skip_bias_add=True)  # (B, T, inner_local)
             hidden_states = bias_gelu(hidden_states, local(self.c_fc.bias), self.gelu_approximation)
+        else:
+            hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
+        if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.c_proj(hidden_states, skip_bias_add=True)  # (B, T, C)
             return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
-        hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
         return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
 
 

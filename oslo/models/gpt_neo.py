@@ -23,7 +23,10 @@ What sets GPT-Neo apart from GPT2, and how this file follows transformers:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GPTNeoConfig
 from transformers.activations import ACT2FN
@@ -32,7 +35,13 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from oslo.kernels import HF_GELU_APPROXIMATIONS, bias_dropout_add, bias_gelu, scaled_masked_softmax
+from oslo.kernels import (
+    HF_GELU_APPROXIMATIONS,
+    bias_dropout_add,
+    bias_gelu,
+    fused_bias_dropout_add_pays,
+    scaled_masked_softmax,
+)
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, StagedBody, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
@@ -119,27 +128,30 @@ class GPTNeoSelfAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.cache_idx)  # (B, nh_local, T_past + T, hs)
 
-        # Unscaled scores, in float32 whatever the model's dtype (as transformers computes them).
-        scores = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)  # (B, nh_local, T, T_all)
-        if self.fused:
-            mask = attention_mask
-            if mask is not None and mask.dtype != torch.bool:
-                mask = mask.to(scores.dtype)  # what adding it to the float32 scores promotes it to
-            probs = scaled_masked_softmax(scores, mask, 1.0, causal=True, window=self.window)
+        if self.fused and not output_attentions:
+            attn_output = self._sdpa_attention(query, key, value, attention_mask)  # (B, T, nh_local * hs)
         else:
-            keep = causal_window(query.shape[-2], key.shape[-2], self.window, scores.device)
-            scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
-            if attention_mask is not None:
-                scores = scores + attention_mask
-            probs = nn.functional.softmax(scores, dim=-1)
-        probs = probs.to(value.dtype)
-        if self.training and self.attn_dropout.p > 0:
-            # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
-            with self.rng.split():
-                probs = self.attn_dropout(probs)
-        attn_output = (probs @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh_local * hs)
+            # Unscaled scores, in float32 whatever the model's dtype (as transformers computes them).
+            scores = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)  # (B, nh_local, T, T_all)
+            if self.fused:  # the weights are asked for: the fused softmax materializes them
+                mask = attention_mask
+                if mask is not None and mask.dtype != torch.bool:
+                    mask = mask.to(scores.dtype)  # what adding it to the float32 scores promotes it to
+                probs = scaled_masked_softmax(scores, mask, 1.0, causal=True, window=self.window)
+            else:
+                keep = causal_window(query.shape[-2], key.shape[-2], self.window, scores.device)
+                scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+                if attention_mask is not None:
+                    scores = scores + attention_mask
+                probs = nn.functional.softmax(scores, dim=-1)
+            probs = probs.to(value.dtype)
+            if self.training and self.attn_dropout.p > 0:
+                # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
+                with self.rng.split():
+                    probs = self.attn_dropout(probs)
+            attn_output = (probs @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh_local * hs)
 
-        if self.fused:
+        if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
             out = self.out_proj(attn_output, skip_bias_add=True)
             bias = local(self.out_proj.bias)
             hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
@@ -151,11 +163,46 @@ class GPTNeoSelfAttention(nn.Module):
             weights = gather_from_tensor_parallel(probs, self.tensor_parallel_group, dim=1)
         return hidden_states, weights
 
+    def _sdpa_attention(self, query, key, value, attention_mask):
+        """The fused path without weights: ``F.scaled_dot_product_attention`` (flash, cuDNN or
+        memory-efficient: no materialized scores), with the causal window and the padding as one additive
+        mask built with the unfused path's arithmetic (``where(keep, 0, float32 min) + attention_mask``), so
+        every key gets the same offset as there. In half precision the mask's finite values are clamped to
+        the dtype's range (float32's minimum is -inf in bfloat16), -inf kept: a padded query's row stays
+        uniform over its window's keys as in float32 (in float16 its minimum, -65504, does not drown the
+        scores: such rows, whose outputs nothing reads, then follow the scores). The kernels accumulate the
+        scores and run the softmax in float32, as GPT-Neo's upcast does; in float64 the query and key are
+        rounded to float32 first, as that upcast rounds them. One difference remains, in the backward of a
+        padded query that sees only padding (scores all at the minimum: uniform in both): eager
+        differentiates the saturated scores as if they were not, sdpa's kernels through a logsumexp the
+        minimum swamps, so such a query's gradients differ (its forward does not)."""
+        batch, _, length, _ = query.shape
+        keep = causal_window(length, key.shape[-2], self.window, query.device)  # (T, T_all)
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+        if attention_mask is not None:
+            mask = mask + attention_mask  # (B, 1, T, T_all)
+        dtype = query.dtype  # the dtype sdpa runs in: autocast casts float32 inputs, mask included
+        if dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+            dtype = torch.get_autocast_dtype(query.device.type)
+        if dtype in (torch.float16, torch.bfloat16):
+            finite = mask.clamp_min(torch.finfo(dtype).min)
+            mask = torch.where(mask == float("-inf"), mask, finite)
+        elif dtype == torch.float64:
+            query, key = query.to(torch.float32).to(dtype), key.to(torch.float32).to(dtype)
+        mask = mask.to(dtype)
+        dropout = self.attn_dropout.p if self.training else 0.0
+        # Attention dropout acts on this rank's heads only: draw distinct masks per rank.
+        with self.rng.split() if dropout > 0 else nullcontext():
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=1.0)
+        return out.transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh_local * hs)
+
 
 class GPTNeoAttention(nn.Module):
     """A layer's attention as ``config.attention_layers`` types it (``"global"`` or ``"local"``), under
-    transformers' name ``attn.attention``. ``fuse()`` switches mask + softmax (sliding window included)
-    and bias + dropout + residual to oslo's fused kernels (Triton on CUDA, torch reference on CPU)."""
+    transformers' name ``attn.attention``. ``fuse()`` switches attention to ``F.scaled_dot_product_attention``
+    with the window as a mask, or, when the weights are asked for, mask + softmax (sliding window included)
+    to oslo's fused kernel (Triton on CUDA, torch reference on CPU); and bias + dropout + residual to
+    oslo's fused kernel where it pays (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(
         self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext, cache_idx: int | None = None
@@ -182,9 +229,9 @@ class GPTNeoAttention(nn.Module):
 
 
 class GPTNeoMLP(nn.Module):
-    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + dropout + residual to
-    oslo's fused kernel, and bias + activation too when the activation is a GeLU the kernel computes
-    exactly (``gelu``, ``gelu_new``...; any other activation keeps its own math, unfused)."""
+    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + activation to oslo's fused
+    kernel when the activation is a GeLU the kernel computes exactly (``gelu``, ``gelu_new``...; any other
+    activation keeps its own math, unfused), and bias + dropout + residual where that kernel pays."""
 
     def __init__(self, intermediate_size: int, config: GPTNeoConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -211,6 +258,8 @@ class GPTNeoMLP(nn.Module):
             hidden_states = bias_gelu(hidden_states, local(self.c_fc.bias), self.gelu_approximation)
         else:
             hidden_states = self.act(self.c_fc(hidden_states))
+        if not fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
+            return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
         out = self.c_proj(hidden_states, skip_bias_add=True)
         return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
 

@@ -23,7 +23,6 @@ from tests.helpers import full_grads
 from tests.models import zoo
 
 CASES = zoo.all_cases()
-FUSED_FLOAT64_PENDING = {"gpt_neo"}
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +73,9 @@ def test_model_follows_its_parameters(root, case):
                                        msg=lambda m, n=name: f"gradient of {n}: {m}")
 
         model.fuse()  # the fused paths follow the parameters too
-        # GPT-Neo's fused attention masks padded rows with float32's minimum, so in float64 their outputs
-        # differ from transformers' (by up to 0.9 on the zoo batch); rows that are not padding agree.
-        # Pending the fused attention's move to SDPA: then every architecture is compared here.
-        if case.arch not in FUSED_FLOAT64_PENDING:
-            with torch.no_grad():
-                _compare(model(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True),
-                         f"{case.name} fused")
+        with torch.no_grad():
+            _compare(model(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True),
+                     f"{case.name} fused")
 
         if case.generate:
             sample = case.batch()
