@@ -824,7 +824,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 return self._pipelined_body_call(*args, **kwargs)
             return super().__call__(*args, **kwargs)
 
-    def generate(self, *args, fused_no_repeat_ngram_blocking: bool = False, **kwargs):
+    def generate(self, *args, fused_no_repeat_ngram_blocking: bool | None = None, **kwargs):
         """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
         the same tokens. The prompt and options must be the same on every rank of the model (checked
         once per call, see :func:`~oslo.parallel.agreement.check_same_inputs`).
@@ -832,9 +832,14 @@ class OsloPreTrainedModel(PreTrainedModel):
         Args:
             fused_no_repeat_ngram_blocking: Apply ``no_repeat_ngram_size`` with oslo's n-gram blocking
                 kernel (vectorized on CPU, Triton on CUDA) instead of transformers' processor. Bans
-                exactly the same tokens.
+                exactly the same tokens. None (default): after ``fuse()`` (all modules), whenever an n-gram
+                size is set; otherwise not.
             *args, **kwargs: As for transformers' ``generate``.
         """
+        if fused_no_repeat_ngram_blocking is None:
+            generation_config = kwargs.get("generation_config") or self.generation_config
+            ngram_size = kwargs.get("no_repeat_ngram_size", generation_config.no_repeat_ngram_size)
+            fused_no_repeat_ngram_blocking = getattr(self, "_fused_ngram_blocking", False) and bool(ngram_size)
         if fused_no_repeat_ngram_blocking:
             generation_config = kwargs.get("generation_config") or self.generation_config
             ngram_size = kwargs.get("no_repeat_ngram_size", generation_config.no_repeat_ngram_size)
@@ -856,9 +861,13 @@ class OsloPreTrainedModel(PreTrainedModel):
     def fuse(self, modules: Iterable[type[nn.Module]] | None = None):
         """Switch modules to oslo's fused kernels (Triton on CUDA, the torch reference on CPU).
 
-        Every module that has a ``fuse()`` method (for GPT2: ``GPT2MLP`` — bias + GeLU, bias + dropout +
-        residual — and ``GPT2Attention`` — scale + mask + softmax, bias + dropout + residual) switches
-        in place: parameters, names and checkpoints are unchanged, and so is the math.
+        Every module that has a ``fuse()`` method (for GPT2: ``GPT2MLP`` — bias + GeLU — and
+        ``GPT2Attention`` — scale + mask + softmax where the scores are materialized; sdpa stays sdpa)
+        switches in place: parameters, names and checkpoints are unchanged, and so is the math. Bias +
+        dropout + residual is fused only where the kernel beats torch's expression
+        (:func:`~oslo.kernels.fused_bias_dropout_add_pays`); shapes with few rows (decoding) take the torch
+        expressions. Without ``modules``, ``generate()`` also blocks repeated n-grams
+        (``no_repeat_ngram_size``) with oslo's kernel.
 
         Args:
             modules: Classes to fuse, e.g. ``[GPT2MLP]``; ``None`` fuses all of them.
@@ -880,6 +889,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         for module in self.modules():
             if type(module) in selected:
                 module.fuse()
+        if modules is None:  # generate() then blocks repeated n-grams with oslo's kernel too
+            self._fused_ngram_blocking = True
         return self
 
     def gpu_modules(self) -> nn.Module:

@@ -108,6 +108,26 @@ def test_fused_ngram_blocking_matches_transformers(lm_checkpoint, tp):
     run_distributed(_fused_ngram_generate, tp, lm_checkpoint)
 
 
+def test_fused_model_blocks_ngrams_with_the_kernel(lm_checkpoint, monkeypatch):
+    """After fuse(), generate() applies no_repeat_ngram_size with oslo's kernel (never transformers'
+    processor) and bans the same tokens; fuse([...]) of some modules leaves generate() as it is."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    reference = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
+    input_ids = torch.tensor([[0, 0, 7, 99, 512], [5, 17, 900, 3, 44]])
+    common = dict(input_ids=input_ids, attention_mask=(input_ids != 0).long(), max_new_tokens=12, pad_token_id=0,
+                  do_sample=False, no_repeat_ngram_size=2)
+    expected = reference.generate(**common)
+    partly = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint).fuse([GPT2MLP])
+    ran = []
+    original = NoRepeatNGramLogitsProcessor.__call__
+    monkeypatch.setattr(NoRepeatNGramLogitsProcessor, "__call__", lambda *a: ran.append(1) or original(*a))
+    assert torch.equal(partly.generate(**common), expected) and ran
+    ran.clear()
+    fused = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint).fuse()
+    assert torch.equal(fused.generate(**common), expected) and not ran
+
+
 def _triton_fused_parity(rank, world_size, path):
     import os
 
