@@ -372,6 +372,9 @@ class DatasetPreprocessor:
                         logger.info(
                             "%s: %d documents, %d tokens, %.0f tokens/s", prefix, documents, tokens, rate
                         )
+            # The bar's last line shows the counts returned below, not those of the last log_interval boundary.
+            rate = tokens / max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix(tokens=f"{tokens:,}", tok_per_s=f"{rate:,.0f}", refresh=False)
         stats = PreprocessStats(prefix, documents, skipped, tokens, time.perf_counter() - started)
         logger.info(
             "Preprocessed %s: %d documents (%d empty skipped), %d tokens in %.1fs (%.0f tokens/s)",

@@ -116,6 +116,17 @@ def test_progress_bar_shows_documents_and_tokens(tmp_path, tokenizer, documents,
     assert "400" in err and "tokens=" in err and "tok_per_s=" in err
 
 
+def test_progress_bar_ends_on_the_returned_counts(tmp_path, tokenizer, documents, capsys):
+    """The bar's tokens were refreshed every log_interval documents only: its last line showed the count at the
+    last multiple of log_interval (134,984 where 137,245 were written). It ends on the returned counts."""
+    stats = DatasetPreprocessor(tokenizer, chunk_size=50, num_workers=0).preprocess(
+        documents[:350], str(tmp_path / "bar"), log_interval=100
+    )
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert f" {stats.documents}doc " in last, last
+    assert f"tokens={stats.tokens:,}" in last, (last, stats)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 
