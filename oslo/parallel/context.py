@@ -7,6 +7,7 @@ module that reads the launcher's environment.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from datetime import timedelta
@@ -92,13 +93,82 @@ def validate_timeout(timeout: object) -> timedelta:
     return timeout
 
 
+class _CreatedGroups:
+    """The process groups oslo created in this process, torn down at interpreter exit by
+    :func:`destroy_process_group_at_exit` (registered with ``atexit`` when the first one is created).
+
+    ``default`` is the default group when oslo initialized torch.distributed (else ``None``); ``subgroups``
+    are the groups of this rank that the parallel contexts created with ``new_group``; ``pid`` is the
+    process that created them (a child forked from it inherits this record, never the groups' ownership).
+    """
+
+    def __init__(self) -> None:
+        self.default: dist.ProcessGroup | None = None
+        self.subgroups: list[dist.ProcessGroup] = []
+        self.pid: int | None = None
+
+    def add(self, default: dist.ProcessGroup | None = None, subgroup: dist.ProcessGroup | None = None) -> None:
+        if self.pid != os.getpid():  # the first group of this process (or of a forked child): start afresh
+            self.default, self.subgroups, self.pid = None, [], os.getpid()
+            atexit.unregister(destroy_process_group_at_exit)  # a forked child inherits the registration
+            atexit.register(destroy_process_group_at_exit)
+        if default is not None:
+            self.default = default
+        if subgroup is not None:
+            self.subgroups.append(subgroup)
+
+
+_created_groups = _CreatedGroups()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Tear down the process groups oslo created, so that the process exits cleanly.
+
+    Registered with ``atexit`` when oslo creates its first group. A process that ends with live gloo
+    (or NCCL) groups may die after its last line with ``terminate called without an active exception``
+    (exit code -6, torchrun's ``ChildFailedError``) while C++ destroys the groups' threads; torch asks
+    for ``dist.destroy_process_group()`` before exit, and this is it:
+
+    * When oslo initialized torch.distributed (a launcher's variables, no group yet), it destroys the
+      default group and with it every group (``dist.destroy_process_group()``), unless the user already
+      did, or replaced the default group with one of their own.
+    * When the user initialized torch.distributed (``dist.init_process_group(...)`` before building a
+      model), it destroys only the groups the parallel contexts created; the default group is the user's:
+      **call ``dist.destroy_process_group()`` yourself** at the end of the script, as torch asks of any
+      program that initializes it.
+
+    ``atexit`` runs handlers in the reverse order of registration: handlers registered after the first
+    model was built run before this one, with the groups still alive; those registered earlier run after
+    it. Deployment workers (``deployment=True``) end with ``os._exit`` and skip it: their processes end
+    without destroying anything, which never aborts. A process forked from this one does nothing here.
+    """
+    created = _created_groups
+    if created.pid != os.getpid() or not (dist.is_available() and dist.is_initialized()):
+        return
+    default, subgroups = created.default, created.subgroups
+    created.default, created.subgroups = None, []
+    try:
+        if default is not None and dist.group.WORLD is default:
+            dist.destroy_process_group()
+            return
+        for group in reversed(subgroups):
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # "Invalid process group specified": the user destroyed it already
+                pass
+    except Exception:  # noqa: BLE001 - the end of the process must not fail on its clean-up
+        logger.debug("tearing down oslo's process groups at exit failed", exc_info=True)
+
+
 def _init_distributed(backend: str | None, timeout: timedelta) -> None:
-    """Initialize torch.distributed from the launcher's environment variables."""
+    """Initialize torch.distributed from the launcher's environment variables; the default group is then
+    oslo's, destroyed at interpreter exit (:func:`destroy_process_group_at_exit`)."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    _created_groups.add(default=dist.group.WORLD)
 
 
 class ParallelContext:
@@ -109,6 +179,11 @@ class ParallelContext:
     that ``torchrun`` and ``deepspeed`` set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), with gloo
     on CPU and NCCL on CUDA. With ``tensor_parallel_size = pipeline_parallel_size = 1`` in a plain
     process no launcher is needed: the context is a single rank and every collective is skipped.
+
+    The groups oslo creates are destroyed when the interpreter exits (the default group too when oslo
+    initialized torch.distributed), so the processes end cleanly under ``torchrun``. A script that calls
+    ``dist.init_process_group`` itself owns the default group and must call ``dist.destroy_process_group()``
+    at its end, as torch asks (see :func:`destroy_process_group_at_exit`).
 
     The Megatron/DeepSpeed ``mpu`` accessors (``get_tensor_parallel_rank``, ``get_data_parallel_group``,
     ``get_model_parallel_world_size``...) are methods of this object, so ``model.mpu`` can be handed to
@@ -266,6 +341,7 @@ class ParallelContext:
             group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = group
+                _created_groups.add(subgroup=group)
         return mine
 
     def _agree_on_layout(self, tp: int, pp: int, seed: int | None) -> None:
