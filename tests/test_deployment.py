@@ -347,9 +347,12 @@ def test_example_server_answers_concurrent_requests(gpt2_dir):
             results = list(pool.map(ask, range(200)))
         counts = {kind: sum(1 for k, _ in results if k == kind) for kind in ("right", "wrong", "lost")}
         assert counts == {"right": 200, "wrong": 0, "lost": 0}, [r for r in results if r[0] != "right"][:3]
-        with pytest.raises(urllib.error.HTTPError) as bad:  # out-of-vocabulary ids: the client's error
-            _post(port, {"input_ids": [5, 5000]})
-        assert bad.value.code == 400
+        # the client's errors: ids outside the vocabulary, text without tokenizer files, no ids
+        for body, reason in (({"input_ids": [5, 5000]}, "outside the vocabulary"),
+                             ({"text": "hello"}, "no tokenizer"), ({"input_ids": []}, "non-empty")):
+            with pytest.raises(urllib.error.HTTPError) as bad:
+                _post(port, body)
+            assert bad.value.code == 400 and reason in json.loads(bad.value.read())["error"]
         assert _post(port, {"input_ids": prompts[0], "max_new_tokens": 2})["output_ids"] == expected[0]
     finally:
         server.send_signal(signal.SIGINT)
@@ -357,4 +360,103 @@ def test_example_server_answers_concurrent_requests(gpt2_dir):
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+
+def _example_server_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deployment_server", ROOT / "examples" / "deployment_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _word_tokenizer(directory):
+    """A tokenizer of 26 words ("a" is id 3 ... "z" is 28) saved in ``directory``, as a checkpoint's would be."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(ord("a") + i): 3 + i for i in range(26)}, "<unk>": 29}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                                     eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+
+
+def _raw_post(port: int, data: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=data,
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def example_servers(gpt2_dir, tmp_path_factory):
+    """The example's app over real HTTP on 127.0.0.1, in this process, on a tp=1 model (create_app needs only
+    generate() and the config): one server without a tokenizer (the checkpoint has no tokenizer files), one with."""
+    from werkzeug.serving import make_server
+
+    server_module = _example_server_module()
+    with_tokenizer = tmp_path_factory.mktemp("with-tokenizer")
+    _word_tokenizer(with_tokenizer)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(gpt2_dir[0])
+    tokenizers = [server_module.load_tokenizer(gpt2_dir[0]), server_module.load_tokenizer(str(with_tokenizer))]
+    assert tokenizers[0] is None and tokenizers[1] is not None  # AutoTokenizer's empty tokenizer is refused
+    servers = [make_server("127.0.0.1", 0, server_module.create_app(model, tokenizer), threaded=True)
+               for tokenizer in tokenizers]
+    threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in servers]
+    for thread in threads:
+        thread.start()
+    yield [server.server_port for server in servers]
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"not json", "the body must be a JSON object"),
+    (b"", "the body must be a JSON object"),
+    (b"[5, 6, 7]", "the body must be a JSON object"),
+    (b'"input_ids"', "the body must be a JSON object"),
+    (b"{}", "send input_ids (a list of token ids)"),
+    (b'{"text": "a b c"}', "this server has no tokenizer"),
+    (b'{"input_ids": [5], "text": "a"}', "not both"),
+    (b'{"input_ids": []}', "input_ids must be a non-empty list"),
+    (b'{"input_ids": [[]]}', "input_ids must be a non-empty list"),
+    (b'{"input_ids": "5 6 7"}', "input_ids must be a non-empty list"),
+    (b'{"input_ids": [5, "6"]}', "input_ids must hold integer token ids, got '6'"),
+    (b'{"input_ids": [5, 6.5]}', "got 6.5"),
+    (b'{"input_ids": [5, true]}', "got True"),
+    (b'{"input_ids": [[5, 6], [7]]}', "different lengths [2, 1]"),
+    (b'{"input_ids": [5, 5000]}', "input_ids hold 5000, outside the vocabulary [0, 1001)"),
+    (b'{"input_ids": [5, -1]}', "input_ids hold -1, outside the vocabulary"),
+    (b'{"input_ids": [5], "max_new_tokens": 0}', "max_new_tokens must be an integer >= 1, got 0"),
+    (b'{"input_ids": [5], "max_new_tokens": "8"}', "max_new_tokens must be an integer >= 1, got '8'"),
+    (b'{"input_ids": [5], "max_new_tokens": 2.5}', "got 2.5"),
+    (b'{"input_ids": [5], "max_new_tokens": 100}', "exceed the 64 positions"),
+    (b'{"input_ids": [5], "top_p": 2}', "top_p must be a number in (0, 1]"),
+    (b'{"input_ids": [5], "do_sample": "yes"}', "do_sample must be true or false"),
+    (b'{"input_ids": [5], "max_tokens": 4}', "unknown field(s) ['max_tokens']"),
+])
+def test_example_server_answers_400_with_the_reason(example_servers, body, reason):
+    status, answer = _raw_post(example_servers[0], body)
+    assert status == 400 and reason in answer["error"], (status, answer)
+
+
+def test_example_server_with_a_tokenizer(example_servers, gpt2_dir):
+    status, answer = _raw_post(example_servers[1], b'{"text": "a b c", "max_new_tokens": 2}')
+    expected = gpt2_dir[1].generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, pad_token_id=0)
+    assert status == 200 and answer["output_ids"] == expected.tolist(), answer
+    for body, reason in ((b'{"text": ""}', "text must be a non-empty string"),
+                         (b'{"text": ["a"]}', "text must be a non-empty string"),
+                         (b'{"text": "   "}', "encodes to no tokens"),
+                         (b"{}", "send input_ids (a list of token ids) or text (a string)")):
+        status, answer = _raw_post(example_servers[1], body)
+        assert status == 400 and reason in answer["error"], (body, status, answer)
+    status, answer = _raw_post(example_servers[0], b'{"input_ids": [5, 6], "max_new_tokens": 2}')
+    assert status == 200 and answer["output_ids"] == gpt2_dir[1].generate(
+        torch.tensor([[5, 6]]), max_new_tokens=2, pad_token_id=0).tolist()
 
