@@ -18,7 +18,8 @@ process ends, however it ends (``PR_SET_PDEATHSIG`` on Linux, and a pipe they wa
 
 Workers start with the ``forkserver`` start method (``START_METHOD``; ``"spawn"`` works too): the script
 that deploys must guard its top level with ``if __name__ == "__main__":``, as every multiprocessing
-program started with spawn or forkserver must.
+program started with spawn or forkserver must, and must be a file the workers can import again (not a
+script read from standard input; ``python -c`` and notebooks, which have no file, work).
 """
 
 from __future__ import annotations
@@ -579,6 +580,33 @@ class DeployedModel:
         return f"DeployedModel({self.__dict__.get('_class_name', '?')}, world_size={self.world_size}, {state})"
 
 
+def _main_module_problem() -> str | None:
+    """Why the workers could not import this process's main module again, or ``None`` when they can.
+
+    A worker started with spawn or forkserver imports the parent's ``__main__`` again, by name (``python -m``)
+    or from its file, before it runs anything. Without a file (``python -c``, the interactive interpreter, a
+    notebook) nothing is imported; a script read from standard input has the file name ``<stdin>``, which
+    the workers would fail to open."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__spec__", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return None
+    full = path if os.path.isabs(path) else os.path.join(mp.process.ORIGINAL_DIR or os.getcwd(), path)
+    if os.path.isfile(full):
+        return None
+    where = "read from standard input (`python - < script.py`)" if path == "<stdin>" else \
+        f"run from the file {full!r}, which no longer exists"
+    return (
+        f"deployment=True starts its workers with the {START_METHOD} method, and each worker imports the main "
+        f"module of this process again before it runs (multiprocessing does, to find what the script defines); "
+        f"this script was {where}, so it cannot be imported again: the workers would fail with "
+        f"FileNotFoundError: {full!r}. Save the script to a file and run it with `python script.py`, creating the "
+        "model under `if __name__ == \"__main__\":`."
+    )
+
+
 def deploy(cls: type, method_name: str, args: tuple, kwargs: dict) -> DeployedModel:
     """Start ``tensor_parallel_size * pipeline_parallel_size`` workers, each calling
     ``cls.<method_name>(*args, **kwargs)`` under a launcher's variables; the model that drives them.
@@ -591,6 +619,8 @@ def deploy(cls: type, method_name: str, args: tuple, kwargs: dict) -> DeployedMo
     Raises:
         ValueError: The process is already under a launcher (the model is already distributed), or the
             arguments cannot be deployed (``parallel_context=``, too few CUDA devices).
+        RuntimeError: The workers could not import the main module again (a script read from standard
+            input), or a worker ended while starting.
     """
     import torch.distributed as dist
 
@@ -616,4 +646,7 @@ def deploy(cls: type, method_name: str, args: tuple, kwargs: dict) -> DeployedMo
             f"deployment=True with tensor_parallel_size={tp} and pipeline_parallel_size={pp} needs {world_size} "
             f"CUDA devices (one per worker), but {torch.cuda.device_count()} are visible."
         )
+    problem = _main_module_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
     return DeployedModel(cls, method_name, tuple(args), dict(kwargs), world_size)

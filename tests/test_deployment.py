@@ -460,3 +460,34 @@ def test_example_server_with_a_tokenizer(example_servers, gpt2_dir):
     assert status == 200 and answer["output_ids"] == gpt2_dir[1].generate(
         torch.tensor([[5, 6]]), max_new_tokens=2, pad_token_id=0).tolist()
 
+
+STDIN_SCRIPT = """
+import oslo
+from tests.helpers import tiny_gpt2_config
+
+oslo.GPT2LMHeadModel.from_config_with_parallel(tiny_gpt2_config(), tensor_parallel_size=2, deployment=True)
+"""
+
+
+def test_a_script_read_from_stdin_names_the_cause(tmp_path):
+    """``python - < script.py``: the workers would re-import ``<stdin>`` and fail with FileNotFoundError under a
+    message about the ``__main__`` guard; the caller is told the cause instead, before any worker starts."""
+    done = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=100)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: deployment=True starts its workers"), done.stderr
+    for fragment in ("read from standard input (`python - < script.py`)", "imports the main module",
+                     "Save the script to a file"):
+        assert fragment in last, last
+    assert "deployment worker rank" not in done.stderr  # no worker was started
+
+
+def test_a_main_module_whose_file_is_gone_is_refused(tmp_path, monkeypatch):
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = str(tmp_path / "deleted.py")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(RuntimeError, match=r"run from the file '.*deleted.py', which no longer exists"):
+        oslo.GPT2LMHeadModel.from_config_with_parallel(tiny_gpt2_config(), tensor_parallel_size=2, deployment=True)
