@@ -271,6 +271,8 @@ def _seed_tensor(seed: int | None, generator: torch.Generator | None, device: to
 
 
 #: Whether the models' ``fuse()`` runs the Triton kernel at all (see :func:`fused_bias_dropout_add_pays`).
+#: Off: measured slower than torch's expression (H200, bf16, 8192 x 4096 -> 1024 with p = 0.1, forward and
+#: backward with the matmul: 0.87 ms against 0.37 ms; element-wise alone 0.72 against 0.28 ms).
 FUSE_USES_KERNEL = False
 
 

@@ -13,6 +13,11 @@ Three parts, as for every oslo kernel:
    CUDA below :data:`~oslo.kernels._triton.TRITON_MIN_ROWS` rows (decoding: launch-bound), they run the
    torch expression ``gelu(x + bias)``, which is exactly the unfused math.
 
+The models' ``fuse()`` does not call this op: after a matmul, torch's ``gelu(linear(x, W, b))`` (the
+bias added by the matmul, the GeLU one kernel) measured faster (H200, bf16, 8192 x 1024 -> 4096, forward
+and backward with the matmul: 0.43 ms against 0.71 ms through this op; transformers' ``gelu_new`` formula
+1.12 ms). The op serves a bias that no matmul can take, and ``torch.compile`` traces it.
+
 Hugging Face configs name their activation (``config.activation_function`` / ``config.hidden_act``);
 :func:`gelu_approximation_for_activation` maps those names to ``"none"`` (erf) or ``"tanh"`` and refuses
 every activation that is not one of these two functions, so fusing never changes the math.

@@ -66,8 +66,10 @@ def test_ids_outside_the_vocab_ban_nothing(implementation):
     input_ids = torch.tensor([[5, 12, 5, 12, 5], [5, 3, 5, 3, 5]])
     scores = _scores(2, 10, seed=0)
     out = IMPLEMENTATIONS[implementation](input_ids, scores, 2)
-    assert torch.equal(out, NoRepeatNGramLogitsProcessor(2)(input_ids, scores))
-    assert torch.isinf(out[0]).sum() == 0 and torch.isinf(out[1]).sum() == 1
+    # Written out rather than asked of transformers: its processor indexes out of range there in 5.17.
+    expected = scores.clone()
+    expected[1, 3] = float("-inf")  # row 1 bans 3 (after 5 comes 3); row 0 would ban 12, outside the vocab
+    assert torch.equal(out, expected)
 
 
 def test_inplace_and_copy_semantics():

@@ -384,3 +384,44 @@ def test_triton_window_matches_reference(triton_device, assert_close_for_dtype, 
         torch.autograd.grad(out, scores, grad)[0], torch.autograd.grad(expected, scores, grad)[0], dtype, "grad"
     )
     assert int((out[0, 0, -1] > 0).sum()) == min(window, k_len)  # unpadded last query: exactly its window
+
+
+# ----------------------------------------------------------------------------- decode shapes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_expression_for_few_rows_equals_reference(dtype):
+    """Below the row threshold a CUDA call takes transformers' eager expression: the reference's values,
+    rows masked entirely by -inf included (zeros, not NaN), finfo.min-masked rows uniform."""
+    from oslo.kernels.softmax import _eager_softmax
+
+    scores = _scores((2, 3, 1, 9), dtype)
+    additive = torch.zeros(2, 1, 1, 9, dtype=dtype)
+    additive[0, ..., :4] = torch.finfo(dtype).min
+    additive[1] = float("-inf")  # batch 1: every key masked
+    for mask in (None, additive):
+        got = _eager_softmax(scores, mask, 0.3)
+        want = scaled_masked_softmax_reference(scores, mask, 0.3)
+        assert got.dtype == dtype and not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=torch.finfo(dtype).eps)
+
+
+def test_decode_rows_on_cuda_take_torch(monkeypatch):
+    import sys
+
+    import oslo.kernels._triton as triton_support
+
+    softmax_module = sys.modules["oslo.kernels.softmax"]
+    calls = []
+    monkeypatch.setattr(triton_support, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(softmax_module, "_scaled_masked_softmax_op", lambda *args: calls.append(args))
+    decode = _scores((8, 16, 1, 40))
+    additive = torch.zeros(8, 1, 1, 40)
+    torch.testing.assert_close(scaled_masked_softmax(decode, additive, 0.5),
+                               scaled_masked_softmax_reference(decode, additive, 0.5))
+    torch.testing.assert_close(scaled_masked_softmax(decode, None, 0.5, causal=True),
+                               scaled_masked_softmax_reference(decode, None, 0.5, causal=True))
+    assert calls == []
+    scaled_masked_softmax(_scores((1, 16, 128, 40)), additive[:1], 0.5)  # 2048 rows: the kernel
+    assert len(calls) == 1
