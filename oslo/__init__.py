@@ -1,139 +1,60 @@
-"""oslo: pre-parallelized Hugging Face transformer models."""
+"""oslo: pre-parallelized Hugging Face transformer models.
 
-from transformers import BertConfig, GPT2Config, GPTNeoConfig, T5Config
+The public names are imported when first used (a module-level ``__getattr__``, as transformers does):
+``import oslo`` imports neither torch nor transformers, ``from oslo import GPT2LMHeadModel`` imports the
+model classes and what they need, and the data, deployment and checkpoint-conversion machinery (and the
+libraries they use) load only when one of their names is asked for. ``from oslo import X`` and ``oslo.X``
+work for every name of ``__all__``, and ``oslo.<submodule>`` for every submodule.
+"""
 
-from oslo.conversion import convert_state_dict
-from oslo.data import (
-    DatasetBlender,
-    DatasetForCausalLM,
-    DatasetPreprocessor,
-    DistributedProxySampler,
-    InfiniteDataLoader,
-)
-from oslo.initialization import initialize
-from oslo.models import (
-    GPT2MLP,
-    BertAttention,
-    BertEmbeddings,
-    BertForMaskedLM,
-    BertForMultipleChoice,
-    BertForNextSentencePrediction,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertIntermediate,
-    BertLayer,
-    BertLMHeadModel,
-    BertModel,
-    BertOutput,
-    BertPreTrainedModel,
-    BertSelfAttention,
-    BertSelfOutput,
-    GPT2Attention,
-    GPT2Block,
-    GPT2DoubleHeadsModel,
-    GPT2ForQuestionAnswering,
-    GPT2ForSequenceClassification,
-    GPT2ForTokenClassification,
-    GPT2LMHeadModel,
-    GPT2Model,
-    GPT2PreTrainedModel,
-    GPTNeoAttention,
-    GPTNeoBlock,
-    GPTNeoForCausalLM,
-    GPTNeoForQuestionAnswering,
-    GPTNeoForSequenceClassification,
-    GPTNeoForTokenClassification,
-    GPTNeoMLP,
-    GPTNeoModel,
-    GPTNeoPreTrainedModel,
-    T5Attention,
-    T5Block,
-    T5DenseActDense,
-    T5DenseGatedActDense,
-    T5EncoderModel,
-    T5ForConditionalGeneration,
-    T5ForQuestionAnswering,
-    T5ForSequenceClassification,
-    T5ForTokenClassification,
-    T5LayerFF,
-    T5LayerNorm,
-    T5Model,
-    T5PreTrainedModel,
-    T5Stack,
-)
-from oslo.parallel import ParallelContext, clip_grad_norm_
-from oslo.reshard import reshard_checkpoint
-from oslo.training_state import load_training_state, save_training_state
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "BertConfig",
-    "BertEmbeddings",
-    "BertSelfAttention",
-    "BertSelfOutput",
-    "BertAttention",
-    "BertIntermediate",
-    "BertOutput",
-    "BertLayer",
-    "BertPreTrainedModel",
-    "BertModel",
-    "BertForPreTraining",
-    "BertLMHeadModel",
-    "BertForMaskedLM",
-    "BertForNextSentencePrediction",
-    "BertForSequenceClassification",
-    "BertForMultipleChoice",
-    "BertForTokenClassification",
-    "BertForQuestionAnswering",
-    "GPT2Config",
-    "GPT2Attention",
-    "GPT2MLP",
-    "GPT2Block",
-    "GPT2PreTrainedModel",
-    "GPT2Model",
-    "GPT2LMHeadModel",
-    "GPT2DoubleHeadsModel",
-    "GPT2ForSequenceClassification",
-    "GPT2ForTokenClassification",
-    "GPT2ForQuestionAnswering",
-    "GPTNeoConfig",
-    "GPTNeoAttention",
-    "GPTNeoMLP",
-    "GPTNeoBlock",
-    "GPTNeoPreTrainedModel",
-    "GPTNeoModel",
-    "GPTNeoForCausalLM",
-    "GPTNeoForSequenceClassification",
-    "GPTNeoForTokenClassification",
-    "GPTNeoForQuestionAnswering",
-    "T5Config",
-    "T5Attention",
-    "T5Block",
-    "T5DenseActDense",
-    "T5DenseGatedActDense",
-    "T5EncoderModel",
-    "T5ForConditionalGeneration",
-    "T5ForQuestionAnswering",
-    "T5ForSequenceClassification",
-    "T5ForTokenClassification",
-    "T5LayerFF",
-    "T5LayerNorm",
-    "T5Model",
-    "T5PreTrainedModel",
-    "T5Stack",
-    "ParallelContext",
-    "save_training_state",
-    "convert_state_dict",
-    "reshard_checkpoint",
-    "load_training_state",
-    "DatasetPreprocessor",
-    "DatasetForCausalLM",
-    "DatasetBlender",
-    "DistributedProxySampler",
-    "InfiniteDataLoader",
-    "clip_grad_norm_",
-    "initialize",
-]
+# module -> the public names it provides (oslo.models' list is checked against its __all__ by the tests)
+_EXPORTS: dict[str, list[str]] = {
+    "transformers": ["BertConfig", "GPT2Config", "GPTNeoConfig", "T5Config"],
+    "oslo.models": [
+        "BertEmbeddings", "BertSelfAttention", "BertSelfOutput", "BertAttention", "BertIntermediate", "BertOutput",
+        "BertLayer", "BertPreTrainedModel", "BertModel", "BertForPreTraining", "BertLMHeadModel", "BertForMaskedLM",
+        "BertForNextSentencePrediction", "BertForSequenceClassification", "BertForMultipleChoice",
+        "BertForTokenClassification", "BertForQuestionAnswering",
+        "GPT2Attention", "GPT2MLP", "GPT2Block", "GPT2PreTrainedModel", "GPT2Model", "GPT2LMHeadModel",
+        "GPT2DoubleHeadsModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
+        "GPT2ForQuestionAnswering",
+        "GPTNeoAttention", "GPTNeoMLP", "GPTNeoBlock", "GPTNeoPreTrainedModel", "GPTNeoModel", "GPTNeoForCausalLM",
+        "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
+        "T5Attention", "T5Block", "T5DenseActDense", "T5DenseGatedActDense", "T5EncoderModel",
+        "T5ForConditionalGeneration", "T5ForQuestionAnswering", "T5ForSequenceClassification",
+        "T5ForTokenClassification", "T5LayerFF", "T5LayerNorm", "T5Model", "T5PreTrainedModel", "T5Stack",
+    ],
+    "oslo.parallel": ["ParallelContext", "clip_grad_norm_"],
+    "oslo.training_state": ["save_training_state", "load_training_state"],
+    "oslo.conversion": ["convert_state_dict"],
+    "oslo.reshard": ["reshard_checkpoint"],
+    "oslo.initialization": ["initialize"],
+    "oslo.data": ["DatasetPreprocessor", "DatasetForCausalLM", "DatasetBlender", "DistributedProxySampler",
+                  "InfiniteDataLoader"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = list(_MODULE_OF)
+
+def __getattr__(name: str) -> Any:
+    """``oslo.X``: import the module that defines the public name ``X`` (once), or the submodule ``oslo.X``."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

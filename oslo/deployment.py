@@ -352,7 +352,7 @@ class DeployedModel:
     def __init__(self, cls: type, method_name: str, args: tuple, kwargs: dict, world_size: int) -> None:
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(["oslo.deployment", "oslo"])
+            ctx.set_forkserver_preload(["oslo.deployment", "oslo.models"])  # what every worker imports
         torch.multiprocessing.set_sharing_strategy("file_descriptor")
         self._lock = threading.Lock()
         self._closed = False

@@ -37,6 +37,9 @@ _import_triton_in_interpreter_mode()
 import transformers  # noqa: E402
 from transformers.models.gpt2 import modeling_gpt2  # noqa: E402,F401
 
-import oslo  # noqa: E402,F401
+import oslo  # noqa: E402
+
+for _name in oslo.__all__:  # oslo imports its names lazily: resolve them now, once, for the forked ranks
+    getattr(oslo, _name)
 
 transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
