@@ -19,8 +19,8 @@ checkpoints load as they are and merged ones load back in transformers.
   and dropout. Missing ``position_ids`` / ``token_type_ids`` come from the ``position_ids`` /
   ``token_type_ids`` buffers transformers keeps (non-persistent, so the build gives them their values:
   :meth:`BertPreTrainedModel._init_buffers`).
-* ``hidden_act`` is honoured exactly (``"gelu"`` is the erf GeLU); ``fuse()`` uses the fused bias-GeLU
-  kernel only for the GeLU it computes exactly.
+* ``hidden_act`` is honoured exactly (``"gelu"`` is the erf GeLU); ``fuse()`` runs torch's one-kernel GeLU
+  only for the GeLUs it computes exactly.
 * The pooler (tanh of a dense layer on the first token) and the heads live on the last pipeline stage;
   the masked-LM prediction head (``cls.predictions``: transform, decoder tied to the word embeddings, its
   own bias split by vocabulary like the decoder) gives vocabulary-split logits, whose loss never gathers
@@ -52,7 +52,6 @@ from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eag
 from oslo.kernels import (
     HF_GELU_APPROXIMATIONS,
     bias_dropout_add,
-    bias_gelu,
     fused_bias_dropout_add_pays,
     scaled_masked_softmax,
 )
@@ -269,9 +268,9 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
-    """``act(dense(x))``, ``dense`` column-parallel. ``fuse()`` switches bias + activation to oslo's fused
-    bias-GeLU kernel when ``hidden_act`` is a GeLU it computes exactly (``"gelu"``: erf; ``"gelu_new"``...:
-    tanh); any other activation keeps its own math, unfused."""
+    """``act(dense(x))``, ``dense`` column-parallel. ``fuse()`` runs the activation as torch's one-kernel GeLU
+    (the bias added by the matmul) when ``hidden_act`` is a GeLU it computes exactly (``"gelu"``: erf;
+    ``"gelu_new"``...: tanh); any other activation keeps its own math, unfused."""
 
     def __init__(self, config: BertConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -286,9 +285,8 @@ class BertIntermediate(nn.Module):
             self.gelu_approximation = HF_GELU_APPROXIMATIONS.get(self.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.gelu_approximation is not None:
-            bias = local(self.dense.bias)
-            return bias_gelu(self.dense(hidden_states, skip_bias_add=True), bias, self.gelu_approximation)
+        if self.gelu_approximation is not None:  # torch's one-kernel GeLU; the matmul adds the bias
+            return F.gelu(self.dense(hidden_states), approximate=self.gelu_approximation)
         return self.intermediate_act_fn(self.dense(hidden_states))  # (B, T, intermediate_local)
 
 

@@ -38,7 +38,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from oslo.kernels import (
     HF_GELU_APPROXIMATIONS,
     bias_dropout_add,
-    bias_gelu,
     fused_bias_dropout_add_pays,
     scaled_masked_softmax,
 )
@@ -229,9 +228,9 @@ class GPTNeoAttention(nn.Module):
 
 
 class GPTNeoMLP(nn.Module):
-    """Feed-forward block, column- then row-parallel. ``fuse()`` switches bias + activation to oslo's fused
-    kernel when the activation is a GeLU the kernel computes exactly (``gelu``, ``gelu_new``...; any other
-    activation keeps its own math, unfused), and bias + dropout + residual where that kernel pays."""
+    """Feed-forward block, column- then row-parallel. ``fuse()`` runs a GeLU activation (``gelu``,
+    ``gelu_new``...; any other keeps its own math) as torch's one kernel, the bias added by the matmul, and
+    bias + dropout + residual as oslo's kernel where that pays."""
 
     def __init__(self, intermediate_size: int, config: GPTNeoConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
@@ -253,9 +252,8 @@ class GPTNeoMLP(nn.Module):
         if not self.fused:
             hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
             return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
-        if self.gelu_approximation is not None:
-            hidden_states = self.c_fc(hidden_states, skip_bias_add=True)
-            hidden_states = bias_gelu(hidden_states, local(self.c_fc.bias), self.gelu_approximation)
+        if self.gelu_approximation is not None:  # torch's one-kernel GeLU; the matmul adds the bias
+            hidden_states = F.gelu(self.c_fc(hidden_states), approximate=self.gelu_approximation)
         else:
             hidden_states = self.act(self.c_fc(hidden_states))
         if not fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
