@@ -5,7 +5,8 @@ active exception`` (exit -6), which torchrun reports as ``ChildFailedError``; os
 created at interpreter exit (``oslo.parallel.context.destroy_process_group_at_exit``). Each run launches
 ``python -m torch.distributed.run --nproc_per_node=N tests/scripts/clean_exit.py TP PP``: a tiny GPT2 built
 at that layout, one training step, one forward pass, then the script returns. ``--keep-process-group``
-runs the script with oslo's teardown unregistered (the behaviour before it existed), for comparison.
+runs the script with oslo's teardown unregistered (the behaviour before it existed), for comparison;
+``--context-only`` builds only the ``ParallelContext`` and runs one all-reduce (a few seconds a run).
 
 Run: ``python benchmarks/clean_exit.py --runs 30`` (each run takes 10-40 s: two to four processes importing
 torch and transformers), ``--layouts 2x1`` for one layout. Prints ``N/RUNS exited 0`` per layout and the
@@ -25,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "clean_exit.py")
 
 
-def run_once(tp: int, pp: int, keep_process_group: bool, timeout: float) -> tuple[int | None, str]:
-    """One torchrun of the script: (its exit code, ``None`` on timeout; the tail of its output)."""
+def run_once(tp: int, pp: int, flags: list[str], timeout: float) -> tuple[int | None, str]:
+    """One torchrun of the script with ``flags``: (its exit code, ``None`` on timeout; the tail of its output)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", "--standalone",
-               SCRIPT, str(tp), str(pp)] + (["--keep-process-group"] if keep_process_group else [])
+               SCRIPT, str(tp), str(pp), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -43,10 +44,15 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="+", default=["2x1", "2x2"], help="TPxPP, e.g. 2x1 2x2")
     parser.add_argument("--keep-process-group", action="store_true",
                         help="unregister oslo's teardown at exit (the behaviour before it)")
+    parser.add_argument("--context-only", action="store_true",
+                        help="build only the ParallelContext and run one all-reduce (no model; a few seconds a run)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     args = parser.parse_args()
+    flags = [flag for flag, on in (("--keep-process-group", args.keep_process_group),
+                                   ("--context-only", args.context_only)) if on]
     print(f"load average {os.getloadavg()}, {os.cpu_count()} CPUs; teardown at exit: "
-          f"{'off (--keep-process-group)' if args.keep_process_group else 'on'}", flush=True)
+          f"{'off (--keep-process-group)' if args.keep_process_group else 'on'}; "
+          f"{'ParallelContext only' if args.context_only else 'tiny GPT2, one training step'}", flush=True)
     everything_clean = True
     for layout in args.layouts:
         tp, pp = (int(part) for part in layout.split("x"))
@@ -54,7 +60,7 @@ def main() -> int:
         failures = []
         started = time.monotonic()
         for run in range(args.runs):
-            code, tail = run_once(tp, pp, args.keep_process_group, args.timeout)
+            code, tail = run_once(tp, pp, flags, args.timeout)
             codes[code] += 1
             if code != 0:
                 failures.append((run, code, tail))
