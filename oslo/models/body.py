@@ -26,18 +26,26 @@ which modules a stage builds (``if first`` / ``if last``) and its ``StageLayers`
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
 __all__ = ["BodyState", "StagedBody", "stand_in_embeds"]
 
 
-class BodyState(SimpleNamespace):
+class BodyState:
     """Everything a body's steps share for one call (or one pipeline stage's part of it). The per-layer
     outputs are attributes named like the output fields (``hidden_states``, ``attentions``): a tuple
-    when asked for, else ``None``."""
+    when asked for, else ``None``.
+
+    A plain class (not ``types.SimpleNamespace``, whose C constructor ``torch.compile`` cannot trace), so
+    that a compiled model call builds it inside its graph."""
+
+    def __init__(self, **fields) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"BodyState({', '.join(f'{name}={value!r}' for name, value in vars(self).items())})"
 
 
 class StagedBody:
