@@ -9,7 +9,6 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -105,13 +104,20 @@ _LOGITS_NOT_GATHERED = (
 )
 
 
-class _LogitsNotGathered:
-    """Mixin of an output class whose ``logits`` were left out on purpose: asking for them raises."""
+def _no_logits(output) -> None:
+    raise AttributeError(_LOGITS_NOT_GATHERED)
 
-    def __getattribute__(self, name: str):
-        if name == "logits":
-            raise AttributeError(_LOGITS_NOT_GATHERED)
-        return super().__getattribute__(name)
+
+def _set_no_logits(output, value) -> None:
+    if value is not None:  # the dataclass constructor sets the field's default, None
+        raise AttributeError(_LOGITS_NOT_GATHERED)
+
+
+class _LogitsNotGathered:
+    """Mixin of an output class whose ``logits`` were left out on purpose: asking for them raises. A property,
+    not a ``__getattribute__`` override, so that ``torch.compile`` builds the output inside its graph."""
+
+    logits = property(_no_logits, _set_no_logits)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in self.items())})"
@@ -155,14 +161,22 @@ def _both(first: Callable, second: Callable | None) -> Callable:
     return both
 
 
-@cache
+_NOT_GATHERED: dict[type, type] = {}
+
+
 def logits_not_gathered(output_class: type) -> type:
     """``output_class`` (a transformers ``ModelOutput``) whose ``logits`` attribute raises an error that says
-    why they are missing and how to get them (``gather_logits=True``)."""
-    # ``logits`` is no field of it either: code that walks an output's dataclass fields (FSDP2's hooks) skips it.
-    fields = {name: field for name, field in output_class.__dataclass_fields__.items() if name != "logits"}
-    return type(output_class.__name__, (_LogitsNotGathered, output_class),
-                {"__module__": output_class.__module__, "__dataclass_fields__": fields})
+    why they are missing and how to get them (``gather_logits=True``). Made once per class, when a model class
+    that returns it is defined (see :meth:`OsloPreTrainedModel.__init_subclass__`): ``torch.compile`` cannot
+    trace a class being made inside ``forward``."""
+    made = _NOT_GATHERED.get(output_class)
+    if made is None:
+        # ``logits`` is no field of it either: code that walks an output's dataclass fields (FSDP2's hooks) skips it.
+        fields = {name: field for name, field in output_class.__dataclass_fields__.items() if name != "logits"}
+        made = _NOT_GATHERED[output_class] = type(
+            output_class.__name__, (_LogitsNotGathered, output_class),
+            {"__module__": output_class.__module__, "__dataclass_fields__": fields})
+    return made
 
 
 def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tuple[str, int]) -> None:
@@ -195,6 +209,14 @@ class OsloPreTrainedModel(PreTrainedModel):
     """
 
     _supports_pipeline_parallel = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # The output classes of a training call without gathered logits (see heads.output_class_for), made with
+        # the class rather than in its first call, which torch.compile may be tracing.
+        for name in ("_lm_output_class", "_masked_lm_output_class"):
+            if isinstance(getattr(cls, name, None), type):
+                logits_not_gathered(getattr(cls, name))
 
     def __init__(self, config: PretrainedConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config)

@@ -411,6 +411,8 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
     ``mc_labels`` there raise, since every stage must backpropagate the same single loss."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _lm_output_class = GPT2DoubleHeadsModelOutput
+
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
@@ -482,7 +484,7 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},
             head,
-            output_class_for(self, GPT2DoubleHeadsModelOutput, gather, gather_logits),
+            output_class_for(self, self._lm_output_class, gather, gather_logits),
             cache=cache,
             use_cache=use_cache,
             return_dict=return_dict,
