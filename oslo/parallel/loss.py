@@ -20,9 +20,11 @@ from oslo.parallel.mappings import group_size
 def _graph_is_kept() -> bool:
     """Whether the running backward pass keeps the graph (``retain_graph=True``, ``create_graph=True``),
     so that its saved tensors are used again. Torch's own compiled backward asks the same; should the
-    query ever go away, assume the graph is kept (a copy: correct, one logits-sized tensor more)."""
+    query ever go away, assume the graph is kept (a copy: correct, one logits-sized tensor more). Under
+    ``torch.compile`` the backward is traced before any pass runs it (there is no pass to ask), so the copy is
+    assumed; the traced program is functional anyway (the compiler reuses buffers where it can)."""
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if query is None else bool(query())
+    return True if query is None or torch.compiler.is_compiling() else bool(query())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
