@@ -694,7 +694,8 @@ def sequence_classification_items(kind: str, labels: torch.Tensor) -> torch.Tens
 
 def check_eos_tokens(model_name: str, input_ids: torch.Tensor | None, eos_token_id: int | None) -> None:
     """EOS pooling's requirement, checked before the model runs: every row of ``input_ids`` holds the same
-    number (at least one) of ``eos_token_id``, as transformers requires."""
+    number (at least one) of ``eos_token_id``, as transformers requires. Under ``torch.compile`` (no branching
+    on the ids) the compiled program asserts it instead: a ``RuntimeError`` without the counts when it runs."""
     if input_ids is None or eos_token_id is None:
         raise ValueError(
             f"{model_name} pools each sequence at its last eos_token_id: it needs input_ids and "
@@ -702,19 +703,27 @@ def check_eos_tokens(model_name: str, input_ids: torch.Tensor | None, eos_token_
             f"eos_token_id={eos_token_id})."
         )
     counts = input_ids.eq(eos_token_id).sum(-1).reshape(-1)
-    if counts.numel() and (counts.min() != counts.max() or counts.min() < 1):
-        raise ValueError(
-            f"{model_name}: all examples must have the same number of <eos> tokens, and at least one "
-            f"(eos_token_id={eos_token_id}); the rows hold {counts.tolist()}. End every row with one eos token "
-            "(and pad after it)."
-        )
+    message = (
+        f"{model_name}: all examples must have the same number of <eos> tokens, and at least one "
+        f"(eos_token_id={eos_token_id}); the rows hold {{counts}}. End every row with one eos token "
+        "(and pad after it)."
+    )
+    if not counts.numel():
+        return
+    if torch.compiler.is_compiling():
+        torch._assert_async((counts.min() == counts.max()) & (counts.min() >= 1), message.format(counts="other counts"))
+    elif counts.min() != counts.max() or counts.min() < 1:
+        raise ValueError(message.format(counts=counts.tolist()))
 
 
 def last_eos_hidden_state(hidden_states: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """``(B, C)``: each row's hidden state at its last ``eos_token_id`` (rows hold equally many)."""
-    batch_size, _, hidden_size = hidden_states.shape
-    selected = hidden_states[input_ids.eq(eos_token_id).to(hidden_states.device), :]
-    return selected.view(batch_size, -1, hidden_size)[:, -1, :]
+    """``(B, C)``: each row's hidden state at its last ``eos_token_id`` (every row holds one; see
+    :func:`check_eos_tokens`). Indexed by position, not by a boolean mask, whose selection's size depends on
+    the ids (``torch.compile`` cannot trace that)."""
+    is_eos = input_ids.eq(eos_token_id).to(hidden_states.device)  # (B, T)
+    positions = torch.arange(1, is_eos.size(-1) + 1, device=is_eos.device)
+    last = (is_eos * positions).argmax(-1)  # (B,) each row's last eos: the largest position holding one
+    return hidden_states[torch.arange(hidden_states.size(0), device=last.device), last]
 
 
 def answer_positions(positions: torch.Tensor, length: int) -> torch.Tensor:

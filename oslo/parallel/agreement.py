@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from collections.abc import Iterable, Mapping
-from functools import cache
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -163,21 +162,34 @@ def _raise_on_every_rank(context: ParallelContext, error: Exception | None, fail
     raise error
 
 
-@cache
-def _parameter_names(forward) -> tuple[str, ...]:
-    return tuple(inspect.signature(forward).parameters)[1:]  # without self
+_parameter_names_of: dict[Callable, tuple[str, ...]] = {}
 
 
-def _out_of_range(values: Any, low: int, high: int) -> tuple[int, tuple[int, ...]] | None:
-    """The first value of an integer tensor outside ``[low, high)`` and its index, or ``None``."""
+def _parameter_names(forward: Callable) -> tuple[str, ...]:
+    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class)."""
+    names = _parameter_names_of.get(forward)
+    if names is None:
+        names = _parameter_names_of[forward] = tuple(inspect.signature(forward).parameters)[1:]
+    return names
+
+
+def _out_of_range(values: Any, low: int, high: int, message: str) -> IndexError | None:
+    """An ``IndexError`` for the first value of an integer tensor outside ``[low, high)``, or ``None``:
+    ``message`` with ``{found}`` replaced by ``"<value> at index <index>"``.
+
+    Under ``torch.compile``, which cannot branch on the values, the compiled program asserts the range instead
+    (a ``RuntimeError`` when it runs, the message saying ``"an id at some index"``) and this returns ``None``."""
     if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex() \
             or values.dtype == torch.bool or values.numel() == 0:
+        return None
+    if torch.compiler.is_compiling():
+        torch._assert_async(((values >= low) & (values < high)).all(), message.format(found="an id at some index"))
         return None
     smallest, largest = torch.stack(torch.aminmax(values)).tolist()
     if smallest >= low and largest < high:
         return None
     index = tuple(((values < low) | (values >= high)).nonzero()[0].tolist())
-    return int(values[index]), index
+    return IndexError(message.format(found=f"{int(values[index])} at index {index}"))
 
 
 _DEFAULT_ID_INPUTS = {"input_ids": "vocab_size", "inputs": "vocab_size", "token_type_ids": "vocab_size"}
@@ -197,6 +209,10 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     as the forward pass counts it (``nested``: a call inside a model call, e.g. a generate() step), or,
     for an outermost call, which may be ``generate()`` (it numbers a padded prompt's positions by its
     attention mask), from the attention mask when one is given: this never refuses a valid call.
+
+    Under ``torch.compile`` the checks of values (ids, positions, the attention mask's counts) become assertions
+    of the compiled program, which raise ``RuntimeError`` with the message (without the value) when it runs; an
+    input longer than the positions is seen while tracing, and compiling fails naming it.
     """
     config = model.config
     names = _parameter_names(type(model).forward)
@@ -205,35 +221,32 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     id_inputs = getattr(model, "_id_inputs", None) or _DEFAULT_ID_INPUTS
     for name, attribute in id_inputs.items():
         size = getattr(config, attribute)
-        found = _out_of_range(named.get(name), 0, size)
-        if found is not None:
-            value, index = found
-            if attribute == "vocab_size":
-                what = "token types" if name == "token_type_ids" else "tokens"
-                return IndexError(
-                    f"{name} hold {value} at index {index}, outside the vocabulary [0, {size}) of this model "
-                    f"(vocab_size={size}; {type(model).__name__} embeds its {what} with the token embedding): "
-                    f"pass ids in [0, {size}). Check that the tokenizer matches the model (or build the model "
-                    "with resize_token_embeddings=len(tokenizer))."
-                )
-            return IndexError(
-                f"{name} hold {value} at index {index}, outside [0, {size}) ({attribute}={size}: "
+        if attribute == "vocab_size":
+            what = "token types" if name == "token_type_ids" else "tokens"
+            message = (
+                f"{name} hold {{found}}, outside the vocabulary [0, {size}) of this model "
+                f"(vocab_size={size}; {type(model).__name__} embeds its {what} with the token embedding): "
+                f"pass ids in [0, {size}). Check that the tokenizer matches the model (or build the model "
+                "with resize_token_embeddings=len(tokenizer))."
+            )
+        else:
+            message = (
+                f"{name} hold {{found}}, outside [0, {size}) ({attribute}={size}: "
                 f"{type(model).__name__} embeds {size} of them): pass {name} in [0, {size})."
             )
+        error = _out_of_range(named.get(name), 0, size, message)
+        if error is not None:
+            return error
     if positions is None:
         return None
     position_ids = named.get("position_ids")
     if isinstance(position_ids, torch.Tensor):
-        found = _out_of_range(position_ids, 0, positions)
-        if found is not None:
-            value, index = found
-            return IndexError(
-                f"position_ids hold {value} at index {index}, outside [0, {positions}) "
-                f"(max_position_embeddings={positions}): the model embeds {positions} positions. Pass "
-                f"position_ids in [0, {positions}): at most {positions} tokens, prompt and new tokens of "
-                "generate() included (max_new_tokens)."
-            )
-        return None
+        return _out_of_range(position_ids, 0, positions, (
+            f"position_ids hold {{found}}, outside [0, {positions}) "
+            f"(max_position_embeddings={positions}): the model embeds {positions} positions. Pass "
+            f"position_ids in [0, {positions}): at most {positions} tokens, prompt and new tokens of "
+            "generate() included (max_new_tokens)."
+        ))
     ids = next((named.get(name) for name in ("input_ids", "inputs", "inputs_embeds")
                 if isinstance(named.get(name), torch.Tensor)), None)
     if ids is None:
@@ -242,7 +255,16 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     cache = named.get("cache", named.get("past_key_values"))  # its name before transformers 5.24
     past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
     mask = named.get("attention_mask")
+    message = (
+        f"the input reaches {{found}}, outside [0, {positions}) (max_position_embeddings={positions}): the "
+        f"model embeds {positions} positions. Truncate the input to at most {positions} tokens in all, e.g. "
+        f"tokenizer(..., truncation=True, max_length={positions})."
+    )
     if not nested and isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.numel():
+        if torch.compiler.is_compiling():  # no branching on the mask's values: the compiled program asserts
+            found = f"a position (a row of its attention mask holds more than {positions} tokens)"
+            torch._assert_async(mask.sum(-1).max() <= positions, message.format(found=found))
+            return None
         needed = int(mask.sum(-1).max())  # the mask covers the cached positions too
         counted = f"a row of its attention mask holds {needed} tokens"
     else:
@@ -250,11 +272,7 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
         counted = f"{length} tokens after {past} cached"
     if needed <= positions:
         return None
-    return IndexError(
-        f"the input reaches position {needed - 1} ({counted}), outside [0, {positions}) "
-        f"(max_position_embeddings={positions}): the model embeds {positions} positions. Truncate the input to "
-        f"at most {positions} tokens in all, e.g. tokenizer(..., truncation=True, max_length={positions})."
-    )
+    return IndexError(message.format(found=f"position {needed - 1} ({counted})"))
 
 
 def _rank_name(context: ParallelContext, index: int) -> str:

@@ -88,21 +88,33 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100
     computes the loss: the others must fail too, not wait). ``classes=True`` words the error for
     class labels (``vocab_size`` is then ``num_labels``).
 
+    Under ``torch.compile``, which cannot branch on the labels' values, the compiled program asserts instead:
+    the same message without the value, as a ``RuntimeError`` when it runs.
+
     Raises:
         ValueError: naming the first offending value, the allowed range and the fix.
     """
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), _labels_message(None, vocab_size, ignore_index, classes))
+        return
     if not bad.any():
         return
-    value = int(labels[bad][0])
+    raise ValueError(_labels_message(int(labels[bad][0]), vocab_size, ignore_index, classes))
+
+
+def _labels_message(value: int | None, vocab_size: int, ignore_index: int, classes: bool) -> str:
+    """What :func:`check_labels` says about ``value`` (``None``: some value, under ``torch.compile``)."""
     if classes:
-        raise ValueError(
-            f"labels hold the class {value}, outside [0, {vocab_size}) for num_labels={vocab_size}: pass class "
+        found = "a class" if value is None else f"the class {value}"
+        return (
+            f"labels hold {found}, outside [0, {vocab_size}) for num_labels={vocab_size}: pass class "
             f"indices below num_labels, or {ignore_index} to ignore a position (or load the model with "
             "num_labels=N for N classes)."
         )
-    raise ValueError(
-        f"labels hold the token id {value}, outside the vocabulary [0, {vocab_size}): every label must be a "
+    found = "a token id" if value is None else f"the token id {value}"
+    return (
+        f"labels hold {found}, outside the vocabulary [0, {vocab_size}): every label must be a "
         f"token id below vocab_size={vocab_size}, or {ignore_index} to ignore the position. Check that the "
         "tokenizer matches the model (or build it with resize_token_embeddings=len(tokenizer))."
     )
