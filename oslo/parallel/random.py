@@ -55,10 +55,19 @@ class ParallelRNG:
         seed: Base seed; the split stream uses ``seed + 2718 + tensor_parallel_rank``.
         tensor_parallel_rank: This rank's index in its tensor-parallel group.
         device: Device whose default generator the streams stand in for.
+        tensor_parallel_size: The size of that group.
+
+    Under ``torch.compile`` (which cannot trace swapping a generator's state) at tensor-parallel size 1 the
+    streams step aside: a compiled call draws its dropout masks from the default generator (inductor: from its
+    own generator, seeded from the default one), the same distribution; what changes is only that such masks
+    depend on the global RNG, not on the model's seed. With several ranks the streams keep the ranks' masks
+    consistent, and still swap (not traceable: a compiled call breaks its graph there).
     """
 
-    def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device) -> None:
+    def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device,
+                 tensor_parallel_size: int = 1) -> None:
         self._seeds = {"replicated": seed, "split": seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank}
+        self.tensor_parallel_size = tensor_parallel_size
         self.device = _concrete(device)
         self._states = {stream: _seeded_state(value, self.device) for stream, value in self._seeds.items()}
         self._active: str | None = None
@@ -86,8 +95,8 @@ class ParallelRNG:
         """
         if stream not in self._states:
             raise ValueError(f"unknown random stream {stream!r}; expected 'replicated' or 'split'")
-        if self._active == stream:
-            yield
+        if self._active == stream or (torch.compiler.is_compiling() and self.tensor_parallel_size == 1):
+            yield  # compiled at size 1: the default generator draws (see the class)
             return
         outer_state = _get_state(self.device)
         outer_active = self._active
