@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything oslo checks on a CUDA GPU: the CUDA tests, then the GPU benchmarks.
+#
+#   bash benchmarks/gpu_session.sh [all|tests|bench] [OUTPUT_DIR]     # default: all, $OUT or ./gpu_output
+#
+# Each step has its own time limit and writes its log to OUTPUT_DIR; a failing step does not stop the
+# next. Runs from a checkout without installing it (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default
+# 360) bounds benchmarks/gpu_step.py. The tests that fork ranks run in their own pytest process: a
+# parent that has used CUDA cannot fork CUDA users.
+set -u
+cd "$(dirname "$0")/.."
+part="${1:-all}"
+out="${2:-${OUT:-gpu_output}}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    local started=$SECONDS
+    echo "=== $name (limit ${seconds}s): $*"
+    timeout --kill-after=5 "$seconds" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - started))s"
+    tail -n 12 "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$out/device.txt"
+
+if [ "$part" != bench ]; then
+    step tests_device 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_device_dtype.py -k cuda
+    step tests_gloo_cuda 100 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_gloo.py
+    step tests_kernels 170 python3 -m pytest -q -p no:cacheprovider tests/kernels
+fi
+if [ "$part" != tests ]; then
+    budget="${GPU_STEP_BUDGET:-360}"
+    step gpu_step $((budget + 60)) python3 benchmarks/gpu_step.py --budget-s "$budget" --json "$out/gpu_step.json"
+fi
