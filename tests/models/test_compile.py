@@ -1,0 +1,110 @@
+"""``torch.compile(model, fullgraph=True)`` on every class of the zoo at tensor_parallel_size 1: the training
+call (the case's objective, then backward) and the inference call (eval, no gradients) trace without a graph
+break (``fullgraph=True`` raises on any) and give eager's loss, outputs and gradients.
+
+The training call compiles with ``aot_eager`` (the forward and backward graphs that a compiler backend gets,
+run by eager kernels); the inference call with ``eager`` (Dynamo's graph as it is), which costs less: this file's
+time is almost all compile time. The models have one layer (GPT-Neo two: a global and a local one): compile
+time grows with the layers, which all run the same code. Dropout is off: a compiled call draws its masks from
+the default generator, an eager one from the model's streams (see :class:`~oslo.parallel.random.ParallelRNG`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from tests.models.zoo import Case, all_cases, compare_outputs
+
+CASES = all_cases()
+
+
+def _small_config(case: Case):
+    config = case.config()
+    if isinstance(config, transformers.GPTNeoConfig):
+        config.attention_types = [[["global", "local"], 1]]
+        config.attention_layers = ["global", "local"]
+        config.num_layers = 2
+    elif isinstance(config, transformers.T5Config):
+        config.num_layers = config.num_decoder_layers = 1
+    else:
+        config.num_hidden_layers = 1
+    config.classifier_dropout = 0.0  # GPT2's classification heads default to 0.1 (no dropout in its config)
+    config.summary_first_dropout = 0.0  # GPT2DoubleHeadsModel's multiple-choice head: 0.1 by default
+    return config
+
+
+def _gradients(model) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
+def test_compiled_calls_equal_eager(case):
+    torch._dynamo.reset()
+    model = getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train()
+    batch = case.batch()
+
+    expected = model(**batch)
+    case.loss(expected).backward()
+    expected_grads = _gradients(model)
+    model.zero_grad(set_to_none=True)
+    actual = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch)
+    case.loss(actual).backward()
+    torch.testing.assert_close(case.loss(actual), case.loss(expected))
+    compare_outputs(actual, expected, case.key)
+    for name, grad in _gradients(model).items():
+        if expected_grads[name] is None:
+            assert grad is None, f"{case.key}: {name} got a gradient only when compiled"
+        else:
+            torch.testing.assert_close(grad, expected_grads[name], msg=lambda m, n=name: f"{case.key} {n}: {m}")
+
+    model.eval()
+    with torch.no_grad():
+        compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
+                        f"{case.key} (inference)")
+
+
+def _gpt2_with_dropout():
+    """The issue's model: GPT2's default dropout (0.1 everywhere), in training mode."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32)
+    return oslo.GPT2LMHeadModel.from_config_with_parallel(config, seed=0).train()
+
+
+def test_no_graph_breaks_with_dropout():
+    """``torch._dynamo.explain`` counts no break in a training call (dropout drawn, no stream swap) nor in an
+    inference call."""
+    torch._dynamo.reset()
+    model = _gpt2_with_dropout()
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    training = torch._dynamo.explain(lambda ids: model(input_ids=ids, labels=ids).loss)(ids)
+    assert training.graph_break_count == 0, [b.reason for b in training.break_reasons]
+
+    def inference(ids):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids, labels=ids)
+
+    evaluation = torch._dynamo.explain(inference)(ids)
+    assert evaluation.graph_break_count == 0, [b.reason for b in evaluation.break_reasons]
+
+
+def test_compiled_call_checks_its_inputs():
+    """The checks that raise in eager (ids outside the embeddings, labels outside the vocabulary) cannot branch
+    on values in a compiled call: the compiled program asserts them and raises ``RuntimeError`` with the same
+    message, without the value. An input longer than the positions fails at compile time, naming it."""
+    torch._dynamo.reset()
+    model = _gpt2_with_dropout().eval()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    compiled(input_ids=ids, labels=ids)
+    with pytest.raises(IndexError, match=r"input_ids hold 101 at index \(0, 3\), outside the vocabulary \[0, 101\)"):
+        model(input_ids=torch.cat([ids[:, :3], torch.full((2, 1), 101), ids[:, 4:]], dim=1), labels=ids)
+    with pytest.raises(RuntimeError, match=r"input_ids hold an id at some index, outside the vocabulary \[0, 101\)"):
+        compiled(input_ids=torch.cat([ids[:, :3], torch.full((2, 1), 101), ids[:, 4:]], dim=1), labels=ids)
+    with pytest.raises(RuntimeError, match=r"labels hold a token id, outside the vocabulary \[0, 101\)"):
+        compiled(input_ids=ids, labels=ids.masked_fill(ids == ids[1, 2], 500))
+    with pytest.raises(RuntimeError, match=r"position_ids hold an id at some index, outside \[0, 32\)"):
+        compiled(input_ids=ids, labels=ids, position_ids=torch.arange(8)[None] + 30)
+    with pytest.raises(Exception, match=r"the input reaches position 39 \(40 tokens after 0 cached\)"):
+        compiled(input_ids=torch.randint(0, 101, (2, 40)))
