@@ -78,14 +78,17 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     grace: float = 5.0,
     lost: Collection[int] = (),
+    start_method: str = "fork",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results.
 
     ``lost``: ranks that end their own process mid-way (``os._exit(LOST_EXIT)`` inside ``fn``, as a
     killed peer would); their result is ``None``. One of them returning, or ending otherwise, fails.
+    ``start_method="spawn"`` starts fresh interpreters instead (slower: each imports torch again), for
+    ranks that use CUDA when this process may already have (CUDA cannot be used in a forked child then).
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     port = _free_port()
     procs, conns = [], []
     for rank in range(world_size):

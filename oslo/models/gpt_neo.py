@@ -188,6 +188,12 @@ class GPTNeoSelfAttention(nn.Module):
             mask = torch.where(mask == float("-inf"), mask, finite)
         elif dtype == torch.float64:
             query, key = query.to(torch.float32).to(dtype), key.to(torch.float32).to(dtype)
+        if dtype in (torch.float32, torch.bfloat16):
+            # CUDA's sdpa kernels scale the masked scores by log2(e) before their exp2: a value at the
+            # dtype's minimum overflows to -inf there, and a padded query's row (all at the minimum, uniform
+            # in eager) becomes all -inf. A quarter of the minimum still swamps any score and survives that.
+            saturated = torch.finfo(dtype).min / 4
+            mask = torch.where(torch.isfinite(mask) & (mask <= saturated), saturated, mask)
         mask = mask.to(dtype)
         dropout = self.attn_dropout.p if self.training else 0.0
         # Attention dropout acts on this rank's heads only: draw distinct masks per rank.

@@ -3,8 +3,8 @@
 NCCL refuses two ranks on one device, so on a one-GPU machine two ranks share the device over gloo:
 the model is built on the CPU context and moved with ``.to("cuda")``; the layers, the vocab-parallel
 loss, the DTensor views and the gradient sinks then compute on CUDA tensors while gloo carries the
-collectives (sums on the device, gathers through the CPU). The CUDA case is skipped without a device. Run it in its
-own pytest process: the ranks are forked, and a parent that already used CUDA cannot fork CUDA users.
+collectives (sums on the device, gathers through the CPU). The CUDA case is skipped without a device;
+its ranks are spawned (a parent that has used CUDA cannot fork CUDA users).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 def _train_and_generate(rank, world_size, path, device):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     context = ParallelContext(tensor_parallel_size=2, backend="gloo")
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, parallel_context=context).to(device)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, parallel_context=context)
+    model = model.to(device)
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).to(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 1001, (4, 12), generator=generator).to(device)
@@ -53,4 +54,7 @@ def _train_and_generate(rank, world_size, path, device):
 def test_tensor_parallel_on_moved_model_over_gloo(tmp_path, device):
     """On "cpu" the same steps without a move: the script itself is checked wherever the suite runs."""
     save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), str(tmp_path))
-    assert run_distributed(_train_and_generate, 2, str(tmp_path), device, timeout=300) == [True, True]
+    # The parent may have initialized CUDA (an import can): CUDA ranks start as fresh interpreters.
+    start_method = "spawn" if device == "cuda" else "fork"
+    assert run_distributed(_train_and_generate, 2, str(tmp_path), device, timeout=300,
+                           start_method=start_method) == [True, True]
