@@ -48,7 +48,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     device = context.device if context.world_size > 1 or not grads_all else grads_all[0].device
     replicated_counts = context.tensor_parallel_rank == 0
     if math.isinf(norm_type):
-        local = [g.detach().abs().max().float() for g in grads_split + grads_replicated]
+        local = [g.detach().abs().max().float() for g in grads_all]
         total = torch.stack(local).max() if local else torch.zeros((), device=device)
         total = total.to(device)
         if context.world_size > 1:
@@ -67,7 +67,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = total ** (1.0 / norm_type)
 
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grad in grads_split + grads_replicated + grads_copies:
+    for grad in grads_all + grads_copies:
         grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
     return total
 
