@@ -25,7 +25,13 @@ from oslo import hub
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models.body import StagedBody
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
-from oslo.parallel.agreement import agree_on_nonfinite_gradients, check_same_inputs, embedding_index_error
+from oslo.parallel import traced
+from oslo.parallel.agreement import (
+    agree_on_nonfinite_gradients,
+    agreed_inputs,
+    check_same_inputs,
+    embedding_index_error,
+)
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
@@ -149,6 +155,18 @@ def _accelerate_refuses_parallelism_config() -> str | None:
     return str(state.distributed_type)
 
 
+@traced.eager("loss_backward")
+def _loss_backward(model, grads: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    """What a traced call's loss runs when the backward pass reaches it (``spec``: which of the overflow
+    agreement, in half precision or not, and the replica averaging), as an eager call's callbacks do."""
+    flags = spec.split(",")
+    if "average" in flags:
+        model._replica_averaging()(grads[0])
+    if "overflow" in flags:
+        model._overflow_callback("half" in flags)(grads[0])
+    return grads
+
+
 def _both(first: Callable, second: Callable | None) -> Callable:
     """Two ``on_backward`` callbacks as one (``second`` may be ``None``)."""
     if second is None:
@@ -221,6 +239,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def __init__(self, config: PretrainedConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config)
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
+        traced.register(self)  # compiled calls refer to the model by this key (see oslo.parallel.traced)
         self.micro_batch_size = 1
         # Set to a list to record this stage's forward and backward passes in pipeline training steps
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
@@ -441,6 +460,9 @@ class OsloPreTrainedModel(PreTrainedModel):
         if self.parallel_context.tensor_parallel_size == 1 or not torch.is_grad_enabled():
             return None
         self._overflow_check_pending = False  # a backward that failed before its check must not block this one
+        return self._overflow_callback(half)
+
+    def _overflow_callback(self, half: bool) -> Callable[[torch.Tensor], None]:
         engine = torch.autograd.Variable._execution_engine
 
         def check(scan: bool) -> None:
@@ -459,6 +481,16 @@ class OsloPreTrainedModel(PreTrainedModel):
             engine.queue_callback(lambda: engine.queue_callback(lambda: check(scan)))
 
         return on_backward
+
+    def _traced_on_backward(self, has_loss_inputs: bool, averages_itself: bool) -> traced.Hook | None:
+        """What :meth:`_overflow_agreement` and :meth:`_replica_averaging` give an eager call, for a traced one:
+        a hook that the compiled backward runs (see :func:`_loss_backward`)."""
+        overflow = has_loss_inputs and self.parallel_context.tensor_parallel_size > 1 and torch.is_grad_enabled()
+        if not (overflow or averages_itself):
+            return None
+        spec = ",".join(name for name, on in (("overflow", overflow), ("half", self._computes_in_half()),
+                                               ("average", averages_itself)) if on)
+        return traced.hook("loss_backward", self, spec)
 
     def _average_losses(
         self,
@@ -583,9 +615,12 @@ class OsloPreTrainedModel(PreTrainedModel):
             if averaged and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
                     and num_items_in_batch is None and context.data_parallel_size > 1:
                 divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
-            on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
-            if averages_itself:
-                on_backward = _both(self._replica_averaging(), on_backward)
+            if torch.compiler.is_compiling():  # the compiled backward calls eager code (oslo.parallel.traced)
+                on_backward = self._traced_on_backward(has_loss_inputs, averages_itself)
+            else:
+                on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
+                if averages_itself:
+                    on_backward = _both(self._replica_averaging(), on_backward)
             if body is self:  # the head class is its own body (T5ForConditionalGeneration): run its steps
                 outputs = body.run(body.prepare(**inputs, cache=cache, use_cache=use_cache, return_dict=True,
                                                 **body_kwargs))
@@ -821,13 +856,15 @@ class OsloPreTrainedModel(PreTrainedModel):
         if is_distributed(self) and trains_plain_leaves(self):
             follow_storages(self)  # DeepSpeed's ZeRO may have moved the trained storages
         with self._model_call() as outermost:
-            watch = call_watch(context) if outermost else None
+            # (A traced call begins its watch when the compiled program runs: see agreement.agreed_inputs.)
+            watch = call_watch(context) if outermost and not torch.compiler.is_compiling() else None
             if watch is not None:  # refuses the call if an earlier one left the ranks out of step
                 watch.begin_call()
             if outermost and context.pipeline_parallel_size > 1:
                 close_open_step(context)  # a step left half-way ends on every stage before this call communicates
             error = embedding_index_error(self, args, kwargs, nested=not outermost)
-            if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
+            if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1 \
+                    and not torch.compiler.is_compiling():  # a traced call checked them in __call__
                 check_same_inputs(context, args, kwargs, error)
             elif error is not None:
                 raise error
@@ -840,6 +877,12 @@ class OsloPreTrainedModel(PreTrainedModel):
                 raise
 
     def __call__(self, *args, **kwargs):
+        context = self.parallel_context
+        if torch.compiler.is_compiling() and not context.in_model_call \
+                and context.tensor_parallel_size * context.pipeline_parallel_size > 1:
+            # The compiled program compares the inputs across the ranks first, and the range checks of
+            # _user_call read the copies it returns: no rank asserts on its own before the others agree.
+            args, kwargs = agreed_inputs(self, args, kwargs)
         with self._user_call(args, kwargs) as outermost:
             if outermost and isinstance(self, StagedBody) and not self.head_runs_stages \
                     and self.parallel_context.pipeline_parallel_size > 1:

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oslo.parallel import failure
+from oslo.parallel import failure, traced
 from oslo.parallel.comm import naming_timeouts
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.mappings import group_size
 
-__all__ = ["InputMismatchError", "agree_on_nonfinite_gradients", "check_same_inputs", "embedding_index_error"]
+__all__ = [
+    "InputMismatchError", "agree_on_nonfinite_gradients", "agreed_inputs", "check_same_inputs", "embedding_index_error",
+]
 
 _BLOCK = 1 << 16
 _weight_blocks: dict[tuple[str, int], torch.Tensor] = {}
@@ -73,6 +75,8 @@ def _describe(value: Any) -> tuple[str, torch.Tensor | None]:
     """(what the value is, in words that must match across ranks; the tensor to digest, if any)."""
     if isinstance(value, torch.Tensor):
         return f"tensor {str(value.dtype).removeprefix('torch.')} of shape {tuple(value.shape)}", value
+    if isinstance(value, _Described):
+        return str(value), None
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value), None
     if isinstance(value, torch.dtype):
@@ -89,7 +93,7 @@ def _describe(value: Any) -> tuple[str, torch.Tensor | None]:
 
 def _inputs(args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
     named = [(f"positional argument {i}", value) for i, value in enumerate(args)]
-    return named + sorted(kwargs.items())
+    return named + [(key, kwargs[key]) for key in sorted(kwargs)]
 
 
 def check_same_inputs(
@@ -140,6 +144,51 @@ def check_same_inputs(
         dist.all_gather_object(described, per_input, group=group)
     values_only = all(g[0] == gathered[0][0] for g in gathered)  # same structure, shapes and dtypes
     raise InputMismatchError(_mismatch_message(context, described, values_only))
+
+
+class _Described(str):
+    """An input of a traced call that is not a tensor, as :func:`_describe` put it when the call was traced."""
+
+
+_RNG_INPUT = "the default random generator (dropout draws from it in a compiled call)"
+
+
+def agreed_inputs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """:func:`check_same_inputs` for a call of ``model`` that ``torch.compile`` traces: the compiled program runs
+    the same check, with the same errors, when it reaches this point (a :mod:`~oslo.parallel.traced` call), and
+    goes on with the returned copies of the tensor inputs. Tensors are compared by value; what is not a tensor,
+    as it was when the call was traced (a change traces the program again). A model in training mode with
+    dropout also compares the state of the device's default random generator, which dropout in a compiled call
+    draws from: it must be the same on every tensor-parallel rank, or their replicated activations would differ
+    (seed it alike on every rank: ``torch.manual_seed(0)`` at the start)."""
+    tensors, lines = [], []
+    for name, value in _inputs(args, kwargs):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            lines.append(f"{name}\0")
+        else:
+            lines.append(f"{name}\0{_describe(value)[0]}")
+    copies = iter(traced.call("check_same_inputs", model, tensors, "\n".join(lines)))
+    positional = [next(copies) if isinstance(value, torch.Tensor) else value for value in args]
+    named = {key: next(copies) if isinstance(kwargs[key], torch.Tensor) else kwargs[key] for key in sorted(kwargs)}
+    return tuple(positional), named
+
+
+@traced.eager("check_same_inputs")
+def _check_traced(model: torch.nn.Module, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    given = iter(tensors)
+    named: dict[str, Any] = {}
+    for line in spec.split("\n"):
+        name, text = line.split("\0")
+        named[name] = next(given) if text == "" else _Described(text)
+    watch = failure.call_watch(model.parallel_context)
+    if watch is not None:  # refuses the call if an earlier one left the ranks out of step
+        watch.begin_call()
+    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        device = tensors[0].device if tensors else model.parallel_context.device
+        named[_RNG_INPUT] = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    check_same_inputs(model.parallel_context, (), named)
+    return tensors
 
 
 def _raise_on_every_rank(context: ParallelContext, error: Exception | None, failed: list[int]) -> None:

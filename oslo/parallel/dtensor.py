@@ -225,7 +225,10 @@ class GradientSink:
 
 def gradient_sink(weight: torch.Tensor) -> GradientSink | None:
     """The sink of a local view that layers hand their weight gradient to, if ``weight`` is one (see
-    :class:`GradientSink`); ``None`` for anything else (a plain parameter, a storage that trains itself)."""
+    :class:`GradientSink`); ``None`` for anything else (a plain parameter, a storage that trains itself), and
+    under ``torch.compile``, whose views have no sink (see :func:`local`)."""
+    if torch.compiler.is_compiling():
+        return None
     return getattr(weight, "_oslo_sink", None)
 
 
@@ -329,6 +332,10 @@ def local(param: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
         return param
     if not hasattr(param, "_oslo_storage"):
         return _as_stored(param.to_local(), spec)
+    if torch.compiler.is_compiling() and not param._oslo_plain_leaf:
+        # A traced call computes on ``to_local()`` (differentiable, its gradient a DTensor of the parameter's
+        # layout): the compiler sums the gradients of a parameter read twice itself, without a sink.
+        return _as_stored(param.to_local(), param._oslo_spec)
     if param._oslo_plain_leaf:
         _sync_plain_leaf(param)
         return param._oslo_storage

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from oslo.parallel import failure
+from oslo.parallel import failure, traced
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import gradient_sink
 from oslo.parallel.loss import causal_lm_loss
@@ -51,7 +51,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         out = _linear(x, weight, bias, transposed)
         # Not a view of the 2-d product (as matmul's own output is not): a loss may overwrite these logits.
-        return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
+        # (A traced program has no views to speak of: the compiler decides what aliases what.)
+        return torch.ops.aten._unsafe_view(out, out.shape) if not torch.compiler.is_compiling() and out._is_view() \
+            else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,7 +65,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = (flat_grad @ weight.t() if ctx.transposed else flat_grad @ weight).view(x.shape)
                 grad_x = grad_x.to(x.dtype)
-                if ctx.reduce_input_grad:
+                if ctx.reduce_input_grad and torch.compiler.is_compiling():
+                    grad_x = traced.all_reduce(grad_x, ctx.group, "summing the input gradient over the "
+                                               "tensor-parallel group")
+                elif ctx.reduce_input_grad:
                     work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
             grad_weight = grad_bias = None
             if ctx.needs_input_grad[1]:

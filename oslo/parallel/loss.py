@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from oslo.parallel import failure
+from oslo.parallel import failure, traced
 from oslo.parallel.mappings import group_size
 
 
@@ -37,11 +37,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # backward pass needs) — none when the caller lets the logits be overwritten (``overwrite``: float32
         # logits nothing else reads) — the padding columns are left out of the maximum and zeroed after exp,
         # never copied; so every rank does the same work whether it holds padding or not.
-        overwrite = overwrite and logits.dtype == torch.float32
+        # (Not in a traced call: the compiler plans the buffers itself, and refuses a Function that writes
+        # into its input.)
+        overwrite = overwrite and logits.dtype == torch.float32 and not torch.compiler.is_compiling()
         logits = logits.float()
         padded = valid_columns < logits.size(-1)
         row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
-        if group_size(group) > 1:
+        if group_size(group) > 1 and torch.compiler.is_compiling():
+            row_max = traced.all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group",
+                                        op="max")
+        elif group_size(group) > 1:
             failure.wait(dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, async_op=True), group,
                          "taking the logits' maximum over the tensor-parallel group")
 
@@ -58,8 +63,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if group_size(group) > 1:
             # One all-reduce for both per-token reductions.
             both = torch.stack([target_logit, sum_exp])
-            failure.wait(dist.all_reduce(both, group=group, async_op=True), group,
-                         "summing the loss terms over the tensor-parallel group")
+            what = "summing the loss terms over the tensor-parallel group"
+            if torch.compiler.is_compiling():
+                both = traced.all_reduce(both, group, what)
+            else:
+                failure.wait(dist.all_reduce(both, group=group, async_op=True), group, what)
             target_logit, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 
@@ -228,6 +236,21 @@ class _MeanLoss(torch.autograd.Function):
         return grad, None, None
 
 
+class _TracedMeanLoss(torch.autograd.Function):
+    """:class:`_MeanLoss` in a traced call: what runs when the backward pass reaches the loss is a
+    :class:`~oslo.parallel.traced.Hook` (eager code the compiled backward calls), not a Python callback."""
+
+    @staticmethod
+    def forward(ctx, differentiable, value, name, key, spec):
+        ctx.hook = traced.Hook(name, key, spec)
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (grad,) = traced.run(ctx.hook, [grad])
+        return grad, None, None, None, None
+
+
 def average_loss(
     loss: LossSum,
     items: torch.Tensor | float,
@@ -238,7 +261,8 @@ def average_loss(
 
     With ``divisor`` the returned tensor still has that value (the batch's own loss, for logging), but its
     gradient is the one of the sums averaged over ``divisor`` instead: the items of the whole batch the
-    step trains on. ``on_backward(grad)`` runs when the backward pass reaches the loss.
+    step trains on. ``on_backward(grad)`` runs when the backward pass reaches the loss (a
+    :class:`~oslo.parallel.traced.Hook` in a traced call: run with ``[grad]``).
     """
     sums = loss.sums.reshape(-1)
     if torch.is_tensor(items):
@@ -254,4 +278,6 @@ def average_loss(
         return (weights * sums / items).sum()
     value = (weights * sums.detach() / items).sum()
     differentiable = (weights * sums / (items if divisor is None else divisor)).sum()
+    if isinstance(on_backward, traced.Hook):
+        return _TracedMeanLoss.apply(differentiable, value, *on_backward)
     return _MeanLoss.apply(differentiable, value, on_backward)

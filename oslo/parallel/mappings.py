@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from oslo.parallel import traced
+
 
 def group_size(group) -> int:
     """Number of ranks in ``group`` (1 for ``None``: a plain, non-distributed process)."""
@@ -23,6 +25,8 @@ def group_rank(group) -> int:
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     from oslo.parallel import failure  # (failure imports this module)
 
+    if torch.compiler.is_compiling():
+        return traced.all_reduce(tensor, group, "summing over the tensor-parallel group")
     tensor = tensor.contiguous()
     failure.wait(dist.all_reduce(tensor, group=group, async_op=True), group, "summing over the tensor-parallel group")
     return tensor
@@ -36,6 +40,8 @@ def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
 def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     from oslo.parallel import failure
 
+    if torch.compiler.is_compiling():
+        return traced.all_gather(tensor, group, dim, "gathering over the tensor-parallel group")
     # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
     device = tensor.device
     staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO

@@ -57,11 +57,14 @@ class ParallelRNG:
         device: Device whose default generator the streams stand in for.
         tensor_parallel_size: The size of that group.
 
-    Under ``torch.compile`` (which cannot trace swapping a generator's state) at tensor-parallel size 1 the
-    streams step aside: a compiled call draws its dropout masks from the default generator (inductor: from its
-    own generator, seeded from the default one), the same distribution; what changes is only that such masks
-    depend on the global RNG, not on the model's seed. With several ranks the streams keep the ranks' masks
-    consistent, and still swap (not traceable: a compiled call breaks its graph there).
+    Under ``torch.compile`` (which cannot trace swapping a generator's state) the streams step aside: a
+    compiled call draws its dropout masks from the default generator (inductor: from its own generator, seeded
+    from the default one), the same distribution; what changes is that such masks depend on the global RNG,
+    not on the model's seed. With several tensor-parallel ranks the replicated masks must still agree: a
+    compiled call in training mode compares the default generators' states across the ranks before it
+    computes (:func:`~oslo.parallel.agreement.agreed_inputs`), and raises unless they were seeded alike. The
+    masks of the split activations are then the same pattern on every rank (each rank's heads get the mask
+    the other ranks' heads get), where an eager call draws them independently.
     """
 
     def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device,
@@ -95,8 +98,8 @@ class ParallelRNG:
         """
         if stream not in self._states:
             raise ValueError(f"unknown random stream {stream!r}; expected 'replicated' or 'split'")
-        if self._active == stream or (torch.compiler.is_compiling() and self.tensor_parallel_size == 1):
-            yield  # compiled at size 1: the default generator draws (see the class)
+        if self._active == stream or torch.compiler.is_compiling():
+            yield  # compiled: the default generator draws (see the class)
             return
         outer_state = _get_state(self.device)
         outer_active = self._active

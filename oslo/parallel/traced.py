@@ -1,0 +1,158 @@
+"""oslo's communication as ``torch.library`` custom operators, for the code that ``torch.compile`` traces.
+
+A compiled model call cannot run Python around a collective: the failure watchdog that polls a pending
+all-reduce for a peer's failure (:func:`oslo.parallel.failure.wait`), the agreement on the inputs that raises
+:class:`~oslo.parallel.agreement.InputMismatchError` on every rank, the overflow agreement queued at the end of
+a backward pass. Each is wrapped here in a custom operator: the compiler sees an opaque call with a declared
+output (its fake implementation gives the shape), and when the compiled program runs, the operator runs the
+same eager code, with the same guarantees and error messages, as an uncompiled call. Outputs are fresh
+tensors (a custom operator may not return its input), which the caller uses in place of the input, so the
+program cannot move them ahead of what they depend on, nor drop them.
+
+Eager calls keep their in-place collectives; only a call that is being traced (``torch.compiler.is_compiling()``)
+goes through these operators. Groups are named by their ``group_name``, models and contexts by a key of
+:func:`register` (an operator's arguments are tensors, numbers and strings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Hook", "all_gather", "all_reduce", "call", "eager", "hook", "register", "run"]
+
+_objects: dict[int, weakref.ref] = {}
+_keys = itertools.count(1)
+
+
+def register(obj: Any) -> int:
+    """A key for ``obj`` (a model) that an operator can take as an argument; the same key every time for the
+    same object. The operator holds no reference: a collected object's key finds nothing. Models register when
+    they are built (a traced call only reads the key: the tracer would not run the registration itself)."""
+    key = getattr(obj, "_oslo_traced_key", None)
+    if torch.compiler.is_compiling():
+        if key is None:
+            raise RuntimeError(f"oslo: {type(obj).__name__} was not registered for compiled calls before tracing")
+        return key
+    known = _objects.get(key) if key is not None else None
+    if known is None or known() is not obj:  # new, or a copy of a registered model (copy.deepcopy)
+        key = next(_keys)
+        object.__setattr__(obj, "_oslo_traced_key", key)
+        _objects[key] = weakref.ref(obj)
+    return key
+
+
+def _lookup(key: int) -> Any:
+    obj = _objects.get(key)
+    obj = None if obj is None else obj()
+    if obj is None:
+        raise RuntimeError(f"oslo: a compiled program refers to a model or context that no longer exists (key {key})")
+    return obj
+
+
+def _group(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@torch.library.custom_op("oslo::all_reduce", mutates_args=())
+def _all_reduce_op(tensor: torch.Tensor, group_name: str, op: str, what: str) -> torch.Tensor:
+    from oslo.parallel import failure
+
+    out = tensor.contiguous().clone()
+    group = _group(group_name)
+    failure.wait(dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True), group, what)
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(tensor, group_name, op, what):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("oslo::all_gather", mutates_args=())
+def _all_gather_op(tensor: torch.Tensor, group_name: str, dim: int, what: str) -> torch.Tensor:
+    from oslo.parallel import failure
+
+    group = _group(group_name)
+    device = tensor.device
+    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
+    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    tensor = (tensor.cpu() if staged else tensor).contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
+    gathered = torch.cat(parts, dim=dim)
+    return gathered.to(device) if staged else gathered
+
+
+@_all_gather_op.register_fake
+def _(tensor, group_name, dim, what):
+    parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format)] * dist.get_world_size(_group(group_name))
+    return torch.cat(parts, dim=dim)
+
+
+def all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
+    """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, as a new tensor, waited for as
+    :func:`oslo.parallel.failure.wait` waits."""
+    return _all_reduce_op(tensor, group.group_name, op, what)
+
+
+def all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, concatenated along ``dim``, as a new tensor."""
+    return _all_gather_op(tensor, group.group_name, dim, what)
+
+
+# ---- calls into eager code: the input agreement, the overflow agreement -------------------------------------
+_calls: dict[str, Any] = {}
+
+
+@torch.library.custom_op("oslo::call", mutates_args=())
+def _call_op(tensors: list[torch.Tensor], name: str, key: int, spec: str) -> list[torch.Tensor]:
+    outputs = _calls[name](_lookup(key), tensors, spec)
+    return [t.clone() for t in outputs]
+
+
+@_call_op.register_fake
+def _(tensors, name, key, spec):
+    return [torch.empty_like(t) for t in tensors]
+
+
+class Hook(NamedTuple):
+    """A deferred :func:`call` (of ``name`` on the object registered as ``key``, with ``spec``): what a traced
+    loss hands its backward, which calls it with the loss's gradient (:func:`run`)."""
+
+    name: str
+    key: int
+    spec: str = ""
+
+
+def hook(name: str, obj: Any, spec: str = "") -> Hook:
+    return Hook(name, register(obj), spec)
+
+
+def run(hook: Hook, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`call` for a :class:`Hook`."""
+    return _call_op(tensors, hook.name, hook.key, hook.spec)
+
+
+def call(name: str, obj: Any, tensors: list[torch.Tensor], spec: str = "") -> list[torch.Tensor]:
+    """Run the eager function registered as ``name`` (:func:`eager`) when the compiled program reaches this
+    point: ``function(obj, tensors, spec)``, which may communicate and raise; the program goes on with copies
+    of ``tensors`` (returned: use them in place of the inputs, so that what follows waits for the call)."""
+    return _call_op(tensors, name, register(obj), spec)
+
+
+def eager(name: str):
+    """Register ``function(obj, tensors, spec) -> tensors`` for :func:`call` under ``name``."""
+
+    def decorate(function):
+        _calls[name] = function
+        return function
+
+    return decorate

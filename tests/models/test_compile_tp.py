@@ -1,0 +1,145 @@
+"""``torch.compile(model, fullgraph=True)`` on every class of the zoo at tensor_parallel_size 2 (two gloo ranks):
+the training call and the inference call trace without a graph break and give the eager call's loss, outputs and
+gradients, as ``tests/models/test_compile.py`` checks at size 1.
+
+A compiled call keeps the eager call's guarantees by running oslo's eager code from inside the compiled program
+(:mod:`oslo.parallel.traced`): the input agreement (an ``InputMismatchError`` on every rank), the collectives'
+failure watch, the overflow agreement at the end of the backward pass. Those are checked here too, compiled:
+different inputs on the ranks raise on both, and a float16 overflow on one rank is seen by both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from oslo.parallel import InputMismatchError
+from oslo.parallel.dtensor import plain
+from tests.distributed import run_distributed
+from tests.models.test_compile import _small_config
+from tests.models.zoo import all_cases, compare_outputs
+
+ARCHS = list(dict.fromkeys(case.arch for case in all_cases()))
+
+
+def _local_grads(model) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else plain(p.grad).clone() for name, p in model.named_parameters()}
+
+
+def _compiled_equal_eager(rank, world_size, arch):
+    checked = []
+    for case in (c for c in all_cases() if c.arch == arch):
+        torch._dynamo.reset()
+        model = getattr(oslo, case.name).from_config_with_parallel(
+            _small_config(case), tensor_parallel_size=2, seed=0).train()
+        batch = case.batch()
+        expected = model(**batch)
+        case.loss(expected).backward()
+        expected_grads = _local_grads(model)
+        model.zero_grad(set_to_none=True)
+        actual = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch)
+        case.loss(actual).backward()
+        torch.testing.assert_close(case.loss(actual), case.loss(expected))
+        compare_outputs(actual, expected, case.key)
+        for name, grad in _local_grads(model).items():
+            if expected_grads[name] is None:
+                assert grad is None, f"{case.key}: {name} got a gradient only when compiled"
+            else:
+                torch.testing.assert_close(grad, expected_grads[name],
+                                           msg=lambda m, n=name, k=case.key: f"{k} {n}: {m}")
+        model.eval()
+        with torch.no_grad():
+            compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
+                            f"{case.key} (inference)")
+        checked.append(case.key)
+    return checked
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_calls_equal_eager_at_tp2(arch):
+    expected = [case.key for case in all_cases() if case.arch == arch]
+    assert run_distributed(_compiled_equal_eager, 2, arch, timeout=900) == [expected, expected]
+
+
+def _gpt2(dropout: float = 0.0):
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=2, seed=0)
+
+
+def _explained_breaks(rank, world_size):
+    model = _gpt2(dropout=0.1).train()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    training = torch._dynamo.explain(lambda ids: model(input_ids=ids, labels=ids).loss)(ids)
+
+    def inference(ids):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids, labels=ids)
+
+    evaluation = torch._dynamo.explain(inference)(ids)
+    return [[b.reason for b in training.break_reasons], [b.reason for b in evaluation.break_reasons]]
+
+
+def test_no_graph_breaks_with_dropout_at_tp2():
+    assert run_distributed(_explained_breaks, 2) == [[[], []], [[], []]]
+
+
+def _compiled_guarantees(rank, world_size):
+    model = _gpt2().train()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    seen = []
+    # Different values on the ranks (a batch drawn unseeded): InputMismatchError on both, naming the input.
+    try:
+        compiled(input_ids=ids + rank, labels=ids)
+    except InputMismatchError as exc:
+        seen.append("input_ids" in str(exc) and "unseeded" in str(exc))
+    # An id outside the vocabulary on one rank only: the agreement raises first, on both ranks.
+    bad = ids.clone()
+    if rank == 1:
+        bad[0, 3] = 101
+    try:
+        compiled(input_ids=bad, labels=ids)
+    except InputMismatchError:
+        seen.append(True)
+    # The same bad id on both ranks: both raise the range check's assertion.
+    bad[0, 3] = 101
+    try:
+        compiled(input_ids=bad, labels=ids)
+    except RuntimeError as exc:
+        seen.append("outside the vocabulary [0, 101)" in str(exc))
+    # Dropout in a compiled call draws from the default generator: it must agree across the ranks.
+    model.config.resid_pdrop = 0.1
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(rank)
+    try:
+        compiled(input_ids=ids, labels=ids)
+    except InputMismatchError as exc:
+        seen.append("default random generator" in str(exc))
+    torch.manual_seed(0)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    seen.append(loss.item())
+    # An overflow in one rank's gradients: the backward's agreement makes both ranks' gradients non-finite.
+    model.zero_grad(set_to_none=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    if rank == 0:
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g * float("inf"))
+    (loss * 1024.0).backward()  # a loss scale: the agreement looks at the gradients
+    seen.append(all(not torch.isfinite(plain(p.grad)).all() for p in model.parameters() if p.grad is not None))
+    return seen
+
+
+def test_compiled_call_keeps_the_guarantees_at_tp2():
+    first, second = run_distributed(_compiled_guarantees, 2, timeout=300)
+    assert first[:4] == second[:4] == [True] * 4
+    assert first[4] == second[4]  # the same loss on both ranks: the same replicated dropout masks
+    assert first[5:] == second[5:] == [True]
