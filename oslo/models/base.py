@@ -155,6 +155,16 @@ def _accelerate_refuses_parallelism_config() -> str | None:
     return str(state.distributed_type)
 
 
+def _install_lora() -> None:
+    from oslo import lora
+
+    try:
+        lora.install()
+    except Exception as exc:  # noqa: BLE001 - an incompatible PEFT must not stop oslo models from being built
+        logger.warning("oslo: PEFT is installed but could not be taught oslo's layers (%s: %s); LoRA on oslo "
+                       "models will not work", type(exc).__name__, exc)
+
+
 @traced.eager("loss_backward")
 def _loss_backward(model, grads: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """What a traced call's loss runs when the backward pass reaches it (``spec``: which of the overflow
@@ -240,6 +250,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         super().__init__(config)
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
         traced.register(self)  # compiled calls refer to the model by this key (see oslo.parallel.traced)
+        _install_lora()  # PEFT's LoRA wraps oslo's linear layers (when PEFT is installed)
         self.micro_batch_size = 1
         # Set to a list to record this stage's forward and backward passes in pipeline training steps
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).

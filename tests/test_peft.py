@@ -1,0 +1,129 @@
+"""Stock PEFT (LoRA) on oslo models at tensor_parallel_size 1, against PEFT on transformers' model of the same
+weights: an adapter written by PEFT for the transformers class loads onto the oslo class (``PeftModel.from_pretrained``),
+gives the same outputs, loss and adapter gradients, trains the same, saves an adapter that PEFT loads back onto the
+transformers class, merges, unmerges and switches adapters as PEFT does. Split and staged layouts refuse with a
+clear error on every rank (not implemented yet)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo
+from tests.distributed import run_distributed
+from tests.models.zoo import all_cases, compare_outputs
+
+peft = pytest.importorskip("peft")
+
+# The LoraConfig a PEFT user writes for the transformers class (GPT2: PEFT sets fan_in_fan_out for Conv1D).
+TARGETS = {
+    "GPT2LMHeadModel": dict(target_modules=["c_attn", "c_proj", "c_fc"]),
+    "GPTNeoForCausalLM": dict(target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj"]),
+    "BertForSequenceClassification": dict(target_modules=["query", "value", "dense"], modules_to_save=["classifier"]),
+    "T5ForConditionalGeneration": dict(target_modules=["q", "k", "v", "o", "wi", "wo"]),
+}
+CASES = [case for case in all_cases() if case.name in TARGETS and not case.variant]
+
+
+def _adapter_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _lora_config(case, **overrides):
+    # init_lora_weights=False: B is random too, so the adapter changes the outputs (PEFT's debugging init)
+    return peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **{**TARGETS[case.name], **overrides})
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_lora_equals_peft_on_transformers(case, tmp_path):
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(reference, _lora_config(case))
+    theirs.save_pretrained(tmp_path / "theirs")
+    base = getattr(oslo, case.name).from_pretrained_with_parallel(tmp_path / "base")
+    ours = peft.PeftModel.from_pretrained(base, tmp_path / "theirs", is_trainable=True)
+    batch = case.batch()
+
+    # the adapter loaded: outputs, loss and every trainable gradient
+    assert sorted(n for n, p in ours.named_parameters() if p.requires_grad) == \
+        sorted(n for n, p in theirs.named_parameters() if p.requires_grad)
+    expected, actual = theirs(**batch), ours(**batch)
+    compare_outputs(actual, expected, case.name)
+    case.loss(expected).backward()
+    case.loss(actual).backward()
+    torch.testing.assert_close(case.loss(actual), case.loss(expected))
+    expected_grads = _adapter_grads(theirs)
+    for name, grad in _adapter_grads(ours).items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=lambda m, n=name: f"{n}: {m}")
+
+    # a step of the manual's loop, then the saved adapter on transformers gives our outputs
+    for model in (theirs, ours):
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    with torch.no_grad():
+        compare_outputs(ours(**batch), theirs(**batch), f"{case.name} after a step")
+        ours.save_pretrained(tmp_path / "ours")
+        reloaded = peft.PeftModel.from_pretrained(
+            getattr(transformers, case.name).from_pretrained(tmp_path / "base"), tmp_path / "ours")
+        compare_outputs(reloaded(**batch), ours(**batch), f"{case.name} saved by oslo, loaded by transformers")
+
+        # disable_adapter gives the base model; merge and unmerge change nothing; merge_and_unload is plain oslo
+        with ours.disable_adapter():
+            plain = ours(**batch)
+        compare_outputs(plain, base.__class__.from_pretrained_with_parallel(tmp_path / "base")(**batch),
+                        f"{case.name} without the adapter")
+        adapted = ours(**batch)
+        assert not torch.allclose(case.loss(adapted), case.loss(plain)), "the adapter changes nothing"
+        ours.merge_adapter()
+        compare_outputs(ours(**batch), adapted, f"{case.name} merged")
+        ours.unmerge_adapter()
+        compare_outputs(ours(**batch), adapted, f"{case.name} unmerged")
+
+        # a second adapter, switched to and back
+        ours.add_adapter("second", _lora_config(case))
+        theirs.add_adapter("second", _lora_config(case))
+        theirs.load_state_dict({k: v for k, v in ours.state_dict().items() if ".second" in k}, strict=False)
+        ours.set_adapter("second")
+        theirs.set_adapter("second")
+        compare_outputs(ours(**batch), theirs(**batch), f"{case.name} second adapter")
+        ours.set_adapter("default")
+        compare_outputs(ours(**batch), adapted, f"{case.name} back to the first adapter")
+        merged = ours.merge_and_unload()
+        assert isinstance(merged, getattr(oslo, case.name))
+        compare_outputs(merged(**batch), adapted, f"{case.name} merge_and_unload")
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_dora_and_rslora_equal_peft_on_transformers(tmp_path):
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(tmp_path / "base")
+    for options in (dict(use_dora=True), dict(use_rslora=True)):
+        torch.manual_seed(1)
+        theirs = peft.get_peft_model(getattr(transformers, case.name).from_pretrained(tmp_path / "base"),
+                                     _lora_config(case, **options))
+        theirs.save_pretrained(tmp_path / "adapter")
+        ours = peft.PeftModel.from_pretrained(
+            oslo.GPT2LMHeadModel.from_pretrained_with_parallel(tmp_path / "base"), tmp_path / "adapter")
+        batch = case.batch()
+        compare_outputs(ours(**batch), theirs(**batch), f"{case.name} {options}")
+
+
+def _refuses(rank, world_size, tmp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(tmp, tensor_parallel_size=2)
+    try:
+        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_split_layers_refuse_on_every_rank(tmp_path):
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path)
+    for message in run_distributed(_refuses, 2, str(tmp_path)):
+        assert message is not None and "tensor_parallel_size=2" in message and "tensor_parallel_size=1" in message
