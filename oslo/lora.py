@@ -6,11 +6,11 @@ PEFT builds its LoRA wrappers for ``nn.Linear`` and transformers' ``Conv1D``; os
 teaches PEFT's ``LoraModel`` to wrap them: the user writes the ``LoraConfig`` they would write for the
 transformers class, ``target_modules`` by the same names.
 
-At tensor_parallel_size 1 without pipelines (one process, or data-parallel replicas) an oslo linear layer holds
-the whole weight, so :class:`ParallelLoraLinear` is PEFT's own ``lora.Linear`` (merging, unmerging, several
+In one process (tensor_parallel_size 1, no pipeline, no launcher) an oslo linear layer holds the whole weight as
+a plain tensor, so :class:`ParallelLoraLinear` is PEFT's own ``lora.Linear`` (merging, unmerging, several
 adapters, DoRA, rsLoRA, saving and loading adapters unchanged), with ``fan_in_fan_out`` set from the layer's
-layout, as PEFT sets it for ``Conv1D``. Split layers (tensor_parallel_size > 1) and pipeline stages raise
-:class:`NotImplementedError` naming the layout that works.
+layout, as PEFT sets it for ``Conv1D``. A model of several processes (split layers, pipeline stages, DTensor
+parameters) raises :class:`NotImplementedError` on every rank before PEFT changes it.
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``).
 """
@@ -53,22 +53,25 @@ def _make_class():
 
 
 def _check_layout(model) -> None:
-    """Refuse LoRA on an oslo model whose linear layers are split or staged (not implemented yet), before PEFT
-    touches it."""
+    """Refuse LoRA on an oslo model whose parameters are split, staged or DTensors (several processes): not
+    implemented yet. Raised before PEFT touches the model, on every rank alike."""
     context = getattr(model, "parallel_context", None)
-    if context is None:
+    if context is None or context.world_size == 1:
         return
-    why = None
     if context.tensor_parallel_size > 1:
         why = (f"tensor_parallel_size={context.tensor_parallel_size} (each rank holds 1/{context.tensor_parallel_size} "
                "of the split layers' weights)")
     elif context.pipeline_parallel_size > 1:
         why = f"pipeline_parallel_size={context.pipeline_parallel_size} (each rank holds one stage's layers)"
-    if why is not None:
-        raise NotImplementedError(
-            f"PEFT adapters on an oslo {type(model).__name__} built at {why} are not implemented yet. They work at "
-            "tensor_parallel_size=1 and pipeline_parallel_size=1: one process, or data-parallel replicas."
-        )
+    else:
+        why = f"{context.world_size} processes (the parameters are DTensors)"
+    raise NotImplementedError(
+        f"PEFT adapters on an oslo {type(model).__name__} built at {why} are not implemented yet: they work on a "
+        "model built in one process (tensor_parallel_size=1, pipeline_parallel_size=1, no launcher). To train an "
+        "adapter on a split model now, train it on the transformers class and load it with "
+        "PeftModel.from_pretrained on an oslo model in one process, or merge it (merge_and_unload) and split the "
+        "merged model."
+    )
 
 
 def _dispatch(target, adapter_name, config, **kwargs):

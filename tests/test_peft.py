@@ -1,8 +1,8 @@
-"""Stock PEFT (LoRA) on oslo models at tensor_parallel_size 1, against PEFT on transformers' model of the same
-weights: an adapter written by PEFT for the transformers class loads onto the oslo class (``PeftModel.from_pretrained``),
-gives the same outputs, loss and adapter gradients, trains the same, saves an adapter that PEFT loads back onto the
-transformers class, merges, unmerges and switches adapters as PEFT does. Split and staged layouts refuse with a
-clear error on every rank (not implemented yet)."""
+"""Stock PEFT (LoRA) on oslo models built in one process, against PEFT on transformers' model of the same
+weights: an adapter written by PEFT for the transformers class loads onto the oslo class
+(``PeftModel.from_pretrained``), gives the same outputs, loss and adapter gradients, trains the same, saves an
+adapter that PEFT loads back onto the transformers class, merges, unmerges and switches adapters as PEFT does. A
+model of several processes refuses with a clear error on every rank (not implemented yet)."""
 
 from __future__ import annotations
 
@@ -126,4 +126,4 @@ def test_split_layers_refuse_on_every_rank(tmp_path):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path)
     for message in run_distributed(_refuses, 2, str(tmp_path)):
-        assert message is not None and "tensor_parallel_size=2" in message and "tensor_parallel_size=1" in message
+        assert message is not None and "tensor_parallel_size=2" in message and "one process" in message
