@@ -114,7 +114,7 @@ def test_dora_and_rslora_equal_peft_on_transformers(tmp_path):
 
 
 def _refuses(rank, world_size, tmp):
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(tmp, tensor_parallel_size=2)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(tmp, pipeline_parallel_size=2)
     try:
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
     except NotImplementedError as exc:
@@ -122,8 +122,106 @@ def _refuses(rank, world_size, tmp):
     return None
 
 
-def test_split_layers_refuse_on_every_rank(tmp_path):
+def test_pipeline_stages_refuse_on_every_rank(tmp_path):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path)
     for message in run_distributed(_refuses, 2, str(tmp_path)):
-        assert message is not None and "tensor_parallel_size=2" in message and "one process" in message
+        assert message is not None and "pipeline_parallel_size=2" in message
+
+
+def _grads_by_name(model) -> dict[str, torch.Tensor]:
+    """Trainable parameters' gradients, whole (a DTensor's gathered; GPT2's fused blocks flattened)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[name] = grad.flatten(0, 1) if grad.dim() == 3 else grad
+    return grads
+
+
+def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size):
+    import os
+
+    import torch.distributed as dist
+
+    case = next(c for c in CASES if c.name == name)
+    batch = case.batch()
+    theirs = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                                            f"{tmp}/theirs", is_trainable=True)
+    base = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size)
+    ours = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs", is_trainable=True)
+    expected, actual = theirs(**batch), ours(**batch)
+    compare_outputs(actual, expected, name)
+    case.loss(expected).backward()
+    case.loss(actual).backward()
+    expected_grads = _grads_by_name(theirs)
+    actual_grads = _grads_by_name(ours)
+    assert sorted(actual_grads) == sorted(expected_grads)
+    for key, grad in actual_grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], msg=lambda m, k=key: f"{k}: {m}")
+    # stock clipping sees the whole adapter's norm (DTensors), then a step
+    norms = [torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 1e9)
+             for m in (theirs, ours)]
+    torch.testing.assert_close(norms[1].full_tensor() if hasattr(norms[1], "full_tensor") else norms[1], norms[0])
+    for model in (theirs, ours):
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    with torch.no_grad():
+        adapted = ours(**batch)
+        compare_outputs(adapted, theirs(**batch), f"{name} after a step")
+        ours.save_pretrained(f"{tmp}/ours", is_main_process=rank == 0)
+        dist.barrier()
+        assert sorted(os.listdir(f"{tmp}/ours")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        reloaded = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                                                  f"{tmp}/ours")
+        compare_outputs(reloaded(**batch), adapted, f"{name} saved at tp=2, loaded by transformers")
+        ours.merge_adapter()
+        compare_outputs(ours(**batch), adapted, f"{name} merged")
+        ours.unmerge_adapter()
+        compare_outputs(ours(**batch), adapted, f"{name} unmerged")
+        merged = ours.merge_and_unload()
+        assert isinstance(merged, getattr(oslo, name))
+        compare_outputs(merged(**batch), adapted, f"{name} merge_and_unload")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("tensor_parallel_size", [2, 1], ids=["tp2", "tp1-dp2"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_lora_with_two_processes_equals_peft_on_transformers(case, tensor_parallel_size, tmp_path):
+    """At tp=2 the adapters are split like their layers; at tp=1 with two processes (data-parallel replicas, each
+    on the whole batch here) every parameter is a DTensor of a one-rank mesh."""
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    peft.get_peft_model(reference, _lora_config(case)).save_pretrained(tmp_path / "theirs")
+    assert run_distributed(_split_equals_peft, 2, case.name, str(tmp_path), tensor_parallel_size,
+                           timeout=300) == [True, True]
+
+
+def _new_adapter_at_tp2(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
+    torch.manual_seed(rank)  # the ranks' own generators differ, as under a launcher: the adapter must not
+    ours = peft.get_peft_model(base, _lora_config(case))
+    with torch.no_grad():
+        adapted = ours(**case.batch())
+        ours.save_pretrained(f"{tmp}/new", is_main_process=rank == 0)
+        dist.barrier()
+        theirs = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
+                                                f"{tmp}/new")
+        compare_outputs(adapted, theirs(**case.batch()), "a new adapter at tp=2, saved, on transformers")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_new_adapter_at_tp2_is_one_adapter(tmp_path):
+    """``get_peft_model`` at tp=2 draws the adapter from the model's replicated stream: the ranks' slices are one
+    adapter (what the split forward computes is what transformers computes with the saved file)."""
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    assert run_distributed(_new_adapter_at_tp2, 2, str(tmp_path)) == [True, True]

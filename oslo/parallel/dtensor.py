@@ -60,6 +60,7 @@ __all__ = [
     "plain",
     "plain_leaves_module",
     "PipelineStageNormError",
+    "relink_storages",
     "shared_views",
     "trains_plain_leaves",
     "undistribute_parameters",
@@ -512,6 +513,17 @@ def follow_storages(model: nn.Module) -> None:
         if local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr() \
                 or local.storage_offset() != storage.storage_offset():
             dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
+
+
+def relink_storages(module: nn.Module) -> None:
+    """Make every oslo DTensor parameter of ``module`` a view of its own storage again: after ``copy.deepcopy``
+    (PEFT's ``modules_to_save``) a copied DTensor and its copied storage are two separate tensors, and the layers
+    (which compute on the storage) and an optimizer (which updates the DTensor) would part ways."""
+    for dt in module.parameters():
+        if isinstance(dt, DTensor) and hasattr(dt, "_oslo_storage"):
+            storage = dt._oslo_storage
+            if dt._local_tensor.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():
+                dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
 
 
 class _PlainLeaves(nn.Module):
