@@ -887,6 +887,16 @@ class OsloPreTrainedModel(PreTrainedModel):
                     watch.failed(exc)
                 raise
 
+    def __getstate__(self):
+        # A copy (copy.deepcopy, pickle) is another model: it takes its own key for compiled calls (__setstate__).
+        state = self.__dict__.copy()  # (object.__getstate__ is Python 3.11's)
+        state.pop("_oslo_traced_key", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        traced.register(self)
+
     def __call__(self, *args, **kwargs):
         context = self.parallel_context
         if torch.compiler.is_compiling() and not context.in_model_call \

@@ -147,3 +147,17 @@ def test_compiled_call_keeps_the_guarantees_at_tp2():
     assert first[:4] == second[:4] == [True] * 4
     assert first[4] == second[4]  # the same loss on both ranks: the same replicated dropout masks
     assert first[5:] == second[5:] == [True]
+
+
+def test_a_copy_of_a_model_is_another_model_for_compiled_calls():
+    """A compiled call runs eager code on its model by key (oslo.parallel.traced): a deep copy (an EMA model, say)
+    must not run it on the original."""
+    import copy
+
+    from oslo.parallel import traced
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=101, n_positions=32)
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, seed=0)
+    twin = copy.deepcopy(model)
+    assert twin._oslo_traced_key != model._oslo_traced_key
+    assert traced._lookup(twin._oslo_traced_key) is twin and traced._lookup(model._oslo_traced_key) is model
