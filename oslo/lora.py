@@ -11,12 +11,13 @@ PEFT's own ``lora.Linear`` (merging, several adapters, DoRA and the other varian
 with ``fan_in_fan_out`` set from the layer's layout, as PEFT sets it for ``Conv1D``. With several processes (any
 tensor_parallel_size, data-parallel replicas) the LoRA matrices are DTensors split like their layer (see
 :class:`ParallelLoraLinear`); the plain ``nn.Linear`` layers of such a model (BERT's pooler, classifiers) get
-replicated ones. Pipeline stages raise :class:`NotImplementedError` on every rank before PEFT changes the model.
+replicated ones. With pipelines each stage wraps the layers it holds, and the saved adapter gathers every stage's.
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
-``LoraModel._create_new_module`` (oslo's layers first), ``LoraModel.inject_adapter`` (the layout check),
-``ModulesToSaveWrapper.update`` (a deep-copied DTensor computes on its own copy) and the state dict that
-``PeftModel.save_pretrained`` writes (whole tensors).
+``LoraModel._create_new_module`` (oslo's layers first), ``LoraModel.inject_adapter`` (the layers learn their
+model's parallel context), ``ModulesToSaveWrapper.update`` (a deep-copied DTensor computes on its own copy), the
+state dict that ``PeftModel.save_pretrained`` writes (whole tensors, every stage's) and the search for modules tied
+to the input embedding (a pipeline stage may have none).
 """
 
 from __future__ import annotations
@@ -270,24 +271,47 @@ def _make_class():
 
 
 def _check_layout(model) -> None:
-    """Before PEFT touches an oslo model: refuse pipeline stages (not implemented yet; raised on every rank alike),
-    and tell each of its linear layers the model's parallel context (:class:`ParallelLoraLinear` reads it)."""
+    """Before PEFT touches an oslo model: tell each of its linear layers the model's parallel context
+    (:class:`ParallelLoraLinear` reads it)."""
     from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     context = getattr(model, "parallel_context", None)
     if context is None:
         return
-    if context.pipeline_parallel_size > 1:
-        raise NotImplementedError(
-            f"PEFT adapters on an oslo {type(model).__name__} built at pipeline_parallel_size="
-            f"{context.pipeline_parallel_size} (each rank holds one stage's layers) are not implemented yet: they "
-            "work without pipelines, at any tensor_parallel_size. To train an adapter for a pipelined model now, "
-            "train it without pipelines (or on the transformers class) and merge it (merge_and_unload), then load "
-            "the merged model at any layout."
-        )
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear)):
             module._oslo_lora_context = weakref.ref(context)  # (a weak reference: modules_to_save deep-copies modules)
+
+
+def _oslo_model(peft_model):
+    """The oslo model under a PeftModel (or a tuner), or ``None``."""
+    model = peft_model
+    for attribute in ("base_model", "model"):
+        model = getattr(model, attribute, model)
+    return model if hasattr(model, "parallel_context") else None
+
+
+def _whole_adapter(state: dict, model) -> dict:
+    """The adapter's state dict as PEFT writes it: whole tensors (a DTensor's slices gathered over its group) and,
+    with pipelines, every stage's entries (gathered over the pipeline group: each stage holds its layers')."""
+    state = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+    context = None if model is None else model.parallel_context
+    if context is None or context.pipeline_parallel_size == 1:
+        return state
+    import torch.distributed as dist
+
+    from oslo.parallel.comm import naming_timeouts
+
+    stages: list[dict | None] = [None] * context.pipeline_parallel_size
+    with naming_timeouts(context, "gathering the adapter of every pipeline stage to save it",
+                         "every rank calls save_pretrained (is_main_process=rank == 0 writes)",
+                         context.pipeline_parallel_group):
+        dist.all_gather_object(stages, {name: value.cpu() for name, value in state.items()},
+                               group=context.pipeline_parallel_group)
+    whole: dict = {}
+    for stage in stages:
+        whole.update(stage)
+    return whole
 
 
 def _dispatch(target, adapter_name, config, **kwargs):
@@ -358,9 +382,22 @@ def _install_copies_and_saves() -> None:
     state_dict_of = peft.peft_model.get_peft_model_state_dict
 
     @functools.wraps(state_dict_of)
-    def whole_tensors(*args, **kwargs):
-        return {name: value.full_tensor() if isinstance(value, DTensor) else value
-                for name, value in state_dict_of(*args, **kwargs).items()}
+    def whole_adapter(model, *args, **kwargs):
+        return _whole_adapter(state_dict_of(model, *args, **kwargs), _oslo_model(model))
 
-    peft.peft_model.get_peft_model_state_dict = whole_tensors
+    peft.peft_model.get_peft_model_state_dict = whole_adapter
+
+    # A pipeline stage without the input embedding (GPT2's last stage) has none to tie to.
+    from peft.tuners.tuners_utils import BaseTuner
+
+    tied = BaseTuner._get_module_names_tied_with_embedding
+
+    @functools.wraps(tied)
+    def tied_on_this_stage(self, *args, **kwargs):
+        model = getattr(self, "model", None)
+        if hasattr(model, "parallel_context") and model.get_input_embeddings() is None:
+            return []
+        return tied(self, *args, **kwargs)
+
+    BaseTuner._get_module_names_tied_with_embedding = tied_on_this_stage
 
