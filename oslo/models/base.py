@@ -47,6 +47,7 @@ from oslo.parallel.dtensor import (
     device_mesh,
     distribute_parameters,
     follow_storages,
+    install_torch_hooks,
     is_distributed,
     local_named_parameters,
     plain,
@@ -250,6 +251,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         super().__init__(config)
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
         traced.register(self)  # compiled calls refer to the model by this key (see oslo.parallel.traced)
+        install_torch_hooks()  # torch's clipping and state-dict functions, adjusted to oslo models
         _install_lora()  # PEFT's LoRA wraps oslo's linear layers (when PEFT is installed)
         self.micro_batch_size = 1
         # Set to a list to record this stage's forward and backward passes in pipeline training steps

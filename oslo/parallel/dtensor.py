@@ -406,7 +406,7 @@ def _optimizer_state_by_name(verify_options):
     @functools.wraps(verify_options)
     def verified(model, *args, **kwargs):
         info = verify_options(model, *args, **kwargs)
-        if is_distributed(model):
+        if _is_oslo_model(model):  # in one process too: a state saved at any layout has one set of keys
             info.flatten_optimizer_state_dict = True
         return info
 
@@ -414,21 +414,96 @@ def _optimizer_state_by_name(verify_options):
     return verified
 
 
-def _install_torch_hooks() -> None:
-    """The two places where oslo adjusts torch's stock tools to oslo models (installed once, by the first
-    model with several processes; other models and tensors pass through unchanged)."""
+def _is_oslo_model(model: nn.Module) -> bool:
+    return getattr(model, "parallel_context", None) is not None and hasattr(model, "_oslo_traced_key")
+
+
+def _fused_in_one_process(model: nn.Module) -> dict[str, ShardSpec]:
+    """The parameters of an oslo model built in one process that several processes see as blocks (GPT2's fused
+    ``c_attn``: ``(in, 3, n / 3)`` DTensors, see the module docstring): name -> spec. Empty for other models."""
+    if not _is_oslo_model(model) or is_distributed(model):
+        return {}
+    return {name: spec for name, spec in parameter_specs(model).items() if spec is not None and spec.chunks > 1}
+
+
+def _as_blocks(tensor, spec: ShardSpec, ndim: int):
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == ndim:
+        return tensor.unflatten(spec.dim, (spec.chunks, tensor.size(spec.dim) // spec.chunks))
+    return tensor
+
+
+def _as_stored_blocks(tensor, spec: ShardSpec, ndim: int):
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == ndim + 1:
+        return tensor.flatten(spec.dim, spec.dim + 1)
+    return tensor
+
+
+def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
+    """``state`` (a model's or, flattened, an optimizer's DCP state dict) with every fused parameter's tensors
+    (the weight; Adam's moments) passed through ``convert(tensor, spec, the parameter's ndim)``."""
+    fused = _fused_in_one_process(model)
+    if not fused:
+        return state
+    ndims = {name: param.dim() for name, param in model.named_parameters()}
+    state = dict(state)
+    for name, spec in fused.items():
+        if optimizer:
+            prefix = f"state.{name}."
+            for key in [key for key in state if key.startswith(prefix)]:
+                state[key] = convert(state[key], spec, ndims[name])
+        elif name in state:
+            state[name] = convert(state[name], spec, ndims[name])
+    return state
+
+
+def _one_process_blocks(get_model, load_model, get_optimizer, load_optimizer):
+    """torch's state-dict functions with an oslo model built in one process showing its fused parameters (and their
+    optimizer state) as the blocks that several processes save, views of the same memory: a DCP state saved at
+    any layout loads in one process and the other way round (``dcp.load`` fills the views; loading flattens them
+    back)."""
+
+    @functools.wraps(get_model)
+    def get_model_blocks(model, *args, **kwargs):
+        return _map_fused(model, get_model(model, *args, **kwargs), False, _as_blocks)
+
+    @functools.wraps(load_model)
+    def load_model_blocks(model, state_dict, *args, **kwargs):
+        return load_model(model, _map_fused(model, state_dict, False, _as_stored_blocks), *args, **kwargs)
+
+    @functools.wraps(get_optimizer)
+    def get_optimizer_blocks(model, *args, **kwargs):
+        return _map_fused(model, get_optimizer(model, *args, **kwargs), True, _as_blocks)
+
+    @functools.wraps(load_optimizer)
+    def load_optimizer_blocks(model, optimizers, state_dict, *args, **kwargs):
+        return load_optimizer(model, optimizers, _map_fused(model, state_dict, True, _as_stored_blocks), *args,
+                              **kwargs)
+
+    for function in (get_model_blocks, load_model_blocks, get_optimizer_blocks, load_optimizer_blocks):
+        function._oslo_blocks = True
+    return get_model_blocks, load_model_blocks, get_optimizer_blocks, load_optimizer_blocks
+
+
+def install_torch_hooks() -> None:
+    """The places where oslo adjusts torch's stock tools to oslo models (installed once, by the first oslo
+    model; other models and tensors pass through unchanged)."""
     if not getattr(_clip_grad._get_total_norm, "_oslo_checks_stages", False):
         _clip_grad._get_total_norm = _refuse_stage_gradients(_clip_grad._get_total_norm)
     verify = getattr(_dcp_state_dict, "_verify_options", None)
     if verify is not None and not getattr(verify, "_oslo_flattens", False):
         _dcp_state_dict._verify_options = _optimizer_state_by_name(verify)
+    names = ("_get_model_state_dict", "_load_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
+    functions = [getattr(_dcp_state_dict, name, None) for name in names]
+    if all(f is not None for f in functions) and not getattr(functions[0], "_oslo_blocks", False):
+        for name, function in zip(names, _one_process_blocks(*functions), strict=True):
+            setattr(_dcp_state_dict, name, function)
 
 
 def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:
     """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh (see the module docstring).
     The layers' plain parameters become the storages; tied parameters stay tied. With pipelines the mesh is
     marked as a stage's, and torch's gradient norm refuses its gradients (:class:`PipelineStageNormError`)."""
-    _install_torch_hooks()
+    install_torch_hooks()
     mesh = device_mesh(context)["tp"]
     if context.pipeline_parallel_size > 1:
         mesh._oslo_pipeline_stage = (

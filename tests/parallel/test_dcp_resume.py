@@ -178,3 +178,41 @@ def test_training_state_wrapper_restores_the_random_streams(checkpoint, tmp_path
     resumed = run_distributed(_dropout_run, 2, checkpoint, directory, 1, True)
     for name, value in straight[0].items():
         torch.testing.assert_close(resumed[0][name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _in_one_process(fn, *args):
+    """``fn(0, 1, *args)`` here: a plain process (no launcher variables, no process group), as a user's
+    ``python script.py`` is."""
+    return fn(0, 1, *args)
+
+
+def test_dcp_recipe_resumes_in_one_process(checkpoint, saved):
+    """The state saved at (2, 2, 1) resumes in one plain process (GPT2's fused c_attn, saved as (in, 3, n / 3)
+    blocks by the split model, is shown to DCP as such blocks there too), and continues as one process would."""
+    expected = reference_steps(checkpoint, 3)
+    params = _in_one_process(_train, checkpoint, saved, 1, 1, 1, 3, True)
+    for name, value in params.items():
+        source = "transformer.wte.weight" if name == "lm_head.weight" else name
+        torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_dcp_recipe_saved_in_one_process_resumes_split(checkpoint, tmp_path):
+    """The other way: one AdamW step saved in one process, resumed at tensor_parallel_size=2."""
+    directory = str(tmp_path / "one")
+    _in_one_process(_train, checkpoint, directory, 1, 1, 0, 1, False)
+    expected = reference_steps(checkpoint, 3)
+    for params in run_distributed(_train, 2, checkpoint, directory, 2, 1, 1, 3, True):
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_training_state_wrapper_resumes_in_one_process(checkpoint, tmp_path):
+    """oslo.load_training_state of a state saved at (2, 2, 1), in one plain process."""
+    directory = str(tmp_path / "state")
+    run_distributed(_wrapper_train, 4, checkpoint, directory, 2, 2, 0, 1, False, False)
+    expected = reference_steps(checkpoint, 3)
+    params = _in_one_process(_wrapper_train, checkpoint, directory, 1, 1, 1, 3, True, False)
+    for name, value in params.items():
+        source = "transformer.wte.weight" if name == "lm_head.weight" else name
+        torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
