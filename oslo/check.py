@@ -459,6 +459,7 @@ def _full_tensors(model, tensors: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from oslo.parallel.dtensor import unblock
     from oslo.parallel.plan import parameter_specs
 
     context = model.parallel_context
@@ -468,9 +469,8 @@ def _full_tensors(model, tensors: dict) -> dict:
         spec = specs.get(name)
         if local is None:
             out[name] = None
-        elif isinstance(local, DTensor):  # fused blocks are seen as (..., chunks, size)
-            full = local.full_tensor()
-            out[name] = full.flatten(spec.dim, spec.dim + 1) if spec is not None and spec.chunks > 1 else full
+        elif isinstance(local, DTensor):  # torch assembles it; a fused bias is seen as (chunks, size / chunks)
+            out[name] = unblock(local.full_tensor(), spec)
         elif spec is None:
             out[name] = local
         elif context.tensor_parallel_size == 1:

@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, undistribute_parameters
+from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, unblock, undistribute_parameters
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -86,9 +86,7 @@ class _Shard(torch.nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         weight = self.weight
-        full = weight.full_tensor() if isinstance(weight, DTensor) else weight
-        if self.spec is not None and self.spec.chunks > 1 and full.dim() == 3:
-            full = full.flatten(self.spec.dim, self.spec.dim + 1)
+        full = unblock(weight.full_tensor(), self.spec) if isinstance(weight, DTensor) else weight
         destination[prefix + "weight"] = full if keep_vars else full.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config
 
+from oslo.parallel.dtensor import unblock
 from oslo.parallel.plan import parameter_specs
 
 
@@ -39,9 +40,8 @@ def full_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if local is None:  # no gradient (outside the objective's graph): the same on every rank
             out[name] = None
             continue
-        if isinstance(local, DTensor):  # torch assembles it (fused blocks are seen as (..., chunks, size))
-            full = local.full_tensor()
-            out[name] = full.flatten(spec.dim, spec.dim + 1) if spec is not None and spec.chunks > 1 else full
+        if isinstance(local, DTensor):  # torch assembles it; a fused bias is seen as (chunks, size / chunks)
+            out[name] = unblock(local.full_tensor(), spec)
             continue
         if spec is None or context.tensor_parallel_size == 1:
             out[name] = local if spec is None else spec.merge([local])

@@ -19,10 +19,12 @@ How a shard maps to a DTensor:
 * column/row split: ``Shard(dim)``, global shape the transformers one;
 * vocabulary split: ``Shard(dim)`` of the *unpadded* vocabulary (torch's uneven sharding is oslo's: the
   first ranks hold ``ceil(V / tp)`` rows, the last the rest); the local tensor leaves the padding out;
-* fused blocks (GPT2's ``c_attn``, ``[q | k | v]``, each split on its own): the split dimension is seen as
-  ``(chunks, size / chunks)`` and sharded on the second (``Shard(dim + 1)``), so every rank's slice is a
-  regular shard that distributed checkpointing can save; ``full_tensor().flatten(dim, dim + 1)`` is the
-  transformers weight.
+* fused blocks (GPT2's ``c_attn``, ``[q | k | v]``, each split on its own): ``_StridedShard(dim, split_factor=3)``,
+  PyTorch's strided sharding, of transformers' shape (``full_tensor()`` is the transformers weight). Distributed
+  checkpointing cannot save such a slice (it is three pieces of the whole), so torch's state-dict functions show
+  it to DCP as ``(.., 3, size / 3, ..)`` blocks sharded on the second (``Shard(dim + 1)``), views of the same
+  memory; a model in one process shows its plain tensor the same way, so a state saved at any layout loads at
+  any other (see :func:`install_torch_hooks`).
 
 ``DistributedDataParallel`` (and DeepSpeed) need plain tensors: :func:`plain_leaves_module`, what
 ``model.gpu_modules()`` returns, hands them the storages as parameters, the model computes on those from
@@ -44,6 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
@@ -63,6 +66,7 @@ __all__ = [
     "relink_storages",
     "shared_views",
     "trains_plain_leaves",
+    "unblock",
     "undistribute_parameters",
 ]
 
@@ -107,15 +111,32 @@ def is_distributed(model: nn.Module) -> bool:
 
 # ---- one parameter ---------------------------------------------------------------------------------
 def _local_of(storage: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
-    """The DTensor's local tensor: a view of ``storage`` without padding, fused blocks unflattened."""
+    """The DTensor's local tensor: a view of ``storage`` without padding (fused blocks split on the first dimension
+    unflattened, see :func:`_strided`)."""
     if spec is None:
         return storage
     if spec.kind == VOCAB:
         start, stop = spec.vocab_range()
         return storage.narrow(spec.dim, 0, stop - start)
-    if spec.chunks > 1:
+    if spec.chunks > 1 and not _strided(spec):
         return storage.unflatten(spec.dim, (spec.chunks, storage.size(spec.dim) // spec.chunks))
     return storage
+
+
+def unblock(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """A whole tensor (``full_tensor()``) in transformers' shape: a fused parameter seen as blocks, flattened."""
+    if spec is not None and spec.chunks > 1 and full.dim() > spec.dim + 1 and full.size(spec.dim) == spec.chunks \
+            and not _strided(spec):
+        return full.flatten(spec.dim, spec.dim + 1)
+    return full
+
+
+def _strided(spec: ShardSpec | None) -> bool:
+    """Whether a fused parameter (blocks split one by one) is a DTensor of transformers' shape with PyTorch's strided
+    sharding: a weight (GPT2's ``c_attn.weight``, split on its second dimension). A fused bias, split on its only
+    dimension, is seen as ``(chunks, size / chunks)`` sharded on the second: FSDP2 shards that same first dimension
+    over the data-parallel mesh, and does not compose its sharding with a strided one there."""
+    return spec is not None and spec.chunks > 1 and spec.dim > 0
 
 
 def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple[object, tuple[int, ...]]:
@@ -123,6 +144,8 @@ def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple
         return Replicate(), tuple(storage.shape)
     shape = list(storage.shape)
     shape[spec.dim] = spec.global_size
+    if _strided(spec):  # each block split on its own: PyTorch's strided sharding, transformers' shape
+        return _StridedShard(spec.dim, split_factor=spec.chunks), tuple(shape)
     if spec.chunks > 1:
         shape[spec.dim:spec.dim + 1] = [spec.chunks, spec.global_size // spec.chunks]
         return Shard(spec.dim + 1), tuple(shape)
@@ -418,30 +441,52 @@ def _is_oslo_model(model: nn.Module) -> bool:
     return getattr(model, "parallel_context", None) is not None and hasattr(model, "_oslo_traced_key")
 
 
-def _fused_in_one_process(model: nn.Module) -> dict[str, ShardSpec]:
-    """The parameters of an oslo model built in one process that several processes see as blocks (GPT2's fused
-    ``c_attn``: ``(in, 3, n / 3)`` DTensors, see the module docstring): name -> spec. Empty for other models."""
-    if not _is_oslo_model(model) or is_distributed(model):
+def _fused(model: nn.Module) -> dict[str, ShardSpec]:
+    """The parameters of an oslo model stored as blocks split one by one (GPT2's fused ``c_attn``): name -> spec.
+    Empty for other models."""
+    if not _is_oslo_model(model):
         return {}
-    return {name: spec for name, spec in parameter_specs(model).items() if spec is not None and spec.chunks > 1}
+    return {name: spec for name, spec in parameter_specs(model).items() if _strided(spec)
+            or (spec is not None and spec.chunks > 1 and not is_distributed(model))}
+
+
+def _blocks_shape(shape, spec: ShardSpec) -> tuple[int, ...]:
+    shape = list(shape)
+    shape[spec.dim:spec.dim + 1] = [spec.chunks, shape[spec.dim] // spec.chunks]
+    return tuple(shape)
 
 
 def _as_blocks(tensor, spec: ShardSpec, ndim: int):
-    if isinstance(tensor, torch.Tensor) and tensor.dim() == ndim:
-        return tensor.unflatten(spec.dim, (spec.chunks, tensor.size(spec.dim) // spec.chunks))
-    return tensor
+    """A fused parameter's tensor (the weight, an optimizer moment) as DCP sees it: ``(.., chunks, n, ..)``."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != ndim:
+        return tensor
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        shape = _blocks_shape(tensor.shape, spec)
+        return DTensor.from_local(local.unflatten(spec.dim, (spec.chunks, local.size(spec.dim) // spec.chunks)),
+                                  tensor.device_mesh, [Shard(spec.dim + 1)], run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+    return tensor.unflatten(spec.dim, (spec.chunks, tensor.size(spec.dim) // spec.chunks))
 
 
 def _as_stored_blocks(tensor, spec: ShardSpec, ndim: int):
-    if isinstance(tensor, torch.Tensor) and tensor.dim() == ndim + 1:
-        return tensor.flatten(spec.dim, spec.dim + 1)
-    return tensor
+    """The inverse of :func:`_as_blocks`."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != ndim + 1:
+        return tensor
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        shape = list(tensor.shape)
+        shape[spec.dim:spec.dim + 2] = [shape[spec.dim] * shape[spec.dim + 1]]
+        return DTensor.from_local(local.flatten(spec.dim, spec.dim + 1), tensor.device_mesh,
+                                  [_StridedShard(spec.dim, split_factor=spec.chunks)], run_check=False,
+                                  shape=tuple(shape), stride=_contiguous_stride(shape))
+    return tensor.flatten(spec.dim, spec.dim + 1)
 
 
 def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
     """``state`` (a model's or, flattened, an optimizer's DCP state dict) with every fused parameter's tensors
     (the weight; Adam's moments) passed through ``convert(tensor, spec, the parameter's ndim)``."""
-    fused = _fused_in_one_process(model)
+    fused = _fused(model)
     if not fused:
         return state
     ndims = {name: param.dim() for name, param in model.named_parameters()}
@@ -456,11 +501,11 @@ def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
     return state
 
 
-def _one_process_blocks(get_model, load_model, get_optimizer, load_optimizer):
-    """torch's state-dict functions with an oslo model built in one process showing its fused parameters (and their
-    optimizer state) as the blocks that several processes save, views of the same memory: a DCP state saved at
-    any layout loads in one process and the other way round (``dcp.load`` fills the views; loading flattens them
-    back)."""
+def _fused_as_blocks(get_model, load_model, get_optimizer, load_optimizer):
+    """torch's state-dict functions with an oslo model showing its fused parameters (and their optimizer state) as
+    blocks, views of the same memory (see the module docstring): DCP can save a split model's slices of them, and a
+    state saved at any layout, one process included, loads at any other (``dcp.load`` fills the views; loading
+    turns them back)."""
 
     @functools.wraps(get_model)
     def get_model_blocks(model, *args, **kwargs):
@@ -495,7 +540,7 @@ def install_torch_hooks() -> None:
     names = ("_get_model_state_dict", "_load_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
     functions = [getattr(_dcp_state_dict, name, None) for name in names]
     if all(f is not None for f in functions) and not getattr(functions[0], "_oslo_blocks", False):
-        for name, function in zip(names, _one_process_blocks(*functions), strict=True):
+        for name, function in zip(names, _fused_as_blocks(*functions), strict=True):
             setattr(_dcp_state_dict, name, function)
 
 

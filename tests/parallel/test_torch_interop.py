@@ -83,8 +83,8 @@ def _state_dict_round_trip(rank, world_size, path):
     kinds = {name: type(value).__name__ for name, value in state.items()}
     full = {}
     for name, value in state.items():
-        whole = value.full_tensor()
-        full[name] = whole.flatten(-2) if name.endswith("c_attn.weight") or name.endswith("c_attn.bias") else whole
+        # transformers' shape (GPT2's fused c_attn weight through strided sharding; its bias is seen as (3, n / 3))
+        full[name] = value.full_tensor().flatten(-2) if name.endswith("c_attn.bias") else value.full_tensor()
     attributes = {name: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)
                   for name, p in model.named_parameters()}
     # A model with other weights takes this state dict at the same layout and computes the same logits.
@@ -131,7 +131,7 @@ def _fsdp2_step(rank, world_size, path, tp):
     optimizer.step()
     state_elements = sum(v.to_local().numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
-    full = {name: value.flatten(-2) if ".c_attn." in name else value for name, value in full.items()}
+    full = {name: value.flatten(-2) if name.endswith("c_attn.bias") else value for name, value in full.items()}
     return full, norm.full_tensor(), before, after, state_elements
 
 
@@ -230,3 +230,22 @@ def test_stock_clip_with_pipelines_is_refused_and_model_clip_is_right(checkpoint
     for refused, norm in run_distributed(_stock_clip_with_pipelines, 4, checkpoint):
         assert refused is not None and "model.clip_grad_norm_" in refused and "pipeline_parallel_size=2" in refused
         torch.testing.assert_close(norm, expected)
+
+
+def _shapes(rank, world_size, path, tp, pp):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)], ids=["2-1", "1-2", "2-2"])
+def test_every_parameter_has_transformers_shape(checkpoint, tp, pp):
+    """Code that reads shapes (PEFT, custom inits, a checkpoint's metadata) sees transformers' model at every layout:
+    GPT2's fused c_attn weight is a DTensor of shape (in, 3 * n) whose placement says how q, k and v are split. Its
+    bias, split on its only dimension, is seen as (3, n) with several processes: FSDP2 shards that dimension too, and
+    does not compose with strided sharding there."""
+    reference = {name: tuple(p.shape) for name, p in transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
+                 .named_parameters(remove_duplicate=False)}
+    for shapes in run_distributed(_shapes, tp * pp, checkpoint, tp, pp):
+        expected = {name: reference[name] for name in shapes}
+        expected.update({name: (3, shape[0] // 3) for name, shape in expected.items() if name.endswith("c_attn.bias")})
+        assert shapes and expected == shapes
