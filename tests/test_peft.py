@@ -205,10 +205,10 @@ def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, t
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-def test_lora_at_tp2_pp2_equals_peft_on_transformers(tmp_path):
-    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_lora_at_tp2_pp2_equals_peft_on_transformers(case, tmp_path):
     torch.manual_seed(0)
-    reference = transformers.GPT2LMHeadModel(case.config())
+    reference = getattr(transformers, case.name)(case.config())
     reference.save_pretrained(tmp_path / "base")
     torch.manual_seed(1)
     peft.get_peft_model(reference, _lora_config(case)).save_pretrained(tmp_path / "theirs")
