@@ -16,14 +16,16 @@ replicated ones. With pipelines each stage wraps the layers it holds, and the sa
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
 ``LoraModel._create_new_module`` (oslo's layers first), ``LoraModel.inject_adapter`` (the layers learn their
 model's parallel context), ``ModulesToSaveWrapper.update`` (a deep-copied DTensor computes on its own copy), the
-state dict that ``PeftModel.save_pretrained`` writes (whole tensors, every stage's) and the search for modules tied
-to the input embedding (a pipeline stage may have none).
+state dict that ``PeftModel.save_pretrained`` writes (whole tensors, every stage's), ``PeftModel.save_pretrained``
+itself (staged and published atomically, as oslo's saves; rank 0 writes) and the search for modules tied to the
+input embedding (a pipeline stage may have none).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import warnings
 import weakref
 
@@ -384,6 +386,26 @@ def _install_copies_and_saves() -> None:
         return _whole_adapter(state_dict_of(model, *args, **kwargs), _oslo_model(model))
 
     peft.peft_model.get_peft_model_state_dict = whole_adapter
+
+    # An adapter of an oslo model is saved like oslo's checkpoints: staged beside the target, written by rank 0,
+    # published in one atomic exchange (a save killed at any instant leaves the old adapter or the new one).
+    save_pretrained = peft.peft_model.PeftModel.save_pretrained
+
+    @functools.wraps(save_pretrained)
+    def save_staged(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        model = _oslo_model(self)
+        if model is None:
+            return save_pretrained(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
+        from oslo.checkpoint import _Save
+
+        context = model.parallel_context
+        save = _Save(context, os.fspath(save_directory))
+        save.step(lambda: save_pretrained(self, save.staging, *args,
+                                          is_main_process=is_main_process and context.rank == 0, **kwargs),
+                  "saving the adapter to")
+        save.publish()
+
+    peft.peft_model.PeftModel.save_pretrained = save_staged
 
     # A pipeline stage without the input embedding (GPT2's last stage) has none to tie to.
     from peft.tuners.tuners_utils import BaseTuner

@@ -239,3 +239,37 @@ def test_new_adapter_at_tp2_is_one_adapter(tmp_path):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
     assert run_distributed(_new_adapter_at_tp2, 2, str(tmp_path)) == [True, True]
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_adapter_save_is_published_atomically(tmp_path):
+    """An adapter save that dies before it is published leaves the previous adapter in place, whole."""
+    from oslo import checkpoint as ckpt
+
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    model = peft.get_peft_model(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                _lora_config(case))
+    target = tmp_path / "adapter"
+    model.save_pretrained(target)
+    first = peft.PeftModel.from_pretrained(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                           target).state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(1.0)
+    ckpt._publish_hook = lambda step: (_ for _ in ()).throw(OSError("disk gone")) if step == "link" else None
+    try:
+        with pytest.raises(OSError, match="disk gone"):
+            model.save_pretrained(target)
+    finally:
+        ckpt._publish_hook = None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no staging folder left behind
+    again = peft.PeftModel.from_pretrained(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                           target).state_dict()
+    for name, value in first.items():
+        torch.testing.assert_close(again[name], value, rtol=0, atol=0)
+    model.save_pretrained(target)  # and the next save publishes
+    last = peft.PeftModel.from_pretrained(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                          target).state_dict()
+    name = next(n for n in last if "lora_B" in n)
+    torch.testing.assert_close(last[name], first[name] + 1.0)
