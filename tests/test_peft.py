@@ -273,3 +273,29 @@ def test_adapter_save_is_published_atomically(tmp_path):
                                           target).state_dict()
     name = next(n for n in last if "lora_B" in n)
     torch.testing.assert_close(last[name], first[name] + 1.0)
+
+
+def _dropout_consistency(rank, world_size, tmp):
+    from torch.distributed.tensor import DTensor
+
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2, seed=0)
+    torch.manual_seed(rank)  # the ranks' own generators differ, as under a launcher
+    model = peft.get_peft_model(base.train(), _lora_config(case, lora_dropout=0.5))
+    batch = case.batch()
+    model(**batch).loss.backward()
+    # what is whole on every rank must have the same gradient there (A of column layers, B of row layers)
+    return {name: p.grad.to_local() for name, p in model.named_parameters()
+            if p.requires_grad and isinstance(p.grad, DTensor) and p.grad.placements[0].is_replicate()}
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_lora_dropout_keeps_the_ranks_in_step(tmp_path):
+    """LoRA's dropout at tp=2: on a column-parallel layer's (replicated) input it draws the same mask on every rank,
+    on a row-parallel layer's split input each rank its own; either way the whole matrices get one gradient."""
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    first, second = run_distributed(_dropout_consistency, 2, str(tmp_path))
+    assert first and sorted(first) == sorted(second)
+    for name, grad in first.items():
+        torch.testing.assert_close(second[name], grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
