@@ -10,8 +10,8 @@ tensors (a custom operator may not return its input), which the caller uses in p
 program cannot move them ahead of what they depend on, nor drop them.
 
 Eager calls keep their in-place collectives; only a call that is being traced (``torch.compiler.is_compiling()``)
-goes through these operators. Groups are named by their ``group_name``, models and contexts by a key of
-:func:`register` (an operator's arguments are tensors, numbers and strings).
+goes through these operators. Groups are named by their ``group_name``, models by a key of :func:`register`
+(an operator's arguments are tensors, numbers and strings). An operator needs at least one tensor argument.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _lookup(key: int) -> Any:
     obj = _objects.get(key)
     obj = None if obj is None else obj()
     if obj is None:
-        raise RuntimeError(f"oslo: a compiled program refers to a model or context that no longer exists (key {key})")
+        raise RuntimeError(f"oslo: a compiled program refers to a model that no longer exists (key {key})")
     return obj
 
 
