@@ -39,7 +39,7 @@ from oslo.parallel.mappings import (
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
-from oslo.parallel.plan import COLUMN, ROW, ShardSpec
+from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
 
 __all__ = ["ParallelLoraLinear", "install"]
 
@@ -140,6 +140,12 @@ def _make_class():
                               "weight as (in_features, out_features), as transformers' Conv1D. Setting "
                               "fan_in_fan_out to True.", stacklevel=3)
                 config.fan_in_fan_out = True
+            if self._oslo_context is not None and getattr(base, "weight_spec", None) is not None \
+                    and base.weight_spec.kind == VOCAB:
+                raise NotImplementedError(
+                    f"LoRA on a vocabulary-split layer ({type(base).__name__} with {base.out_features} outputs, an LM "
+                    "head) of an oslo model of several processes is not implemented yet: target the attention and MLP "
+                    "layers, or adapt it in one process.")
             if self._oslo_context is not None:
                 unsupported = [name for name, on in (("use_dora", config.use_dora), ("lora_bias", config.lora_bias))
                                if on]

@@ -299,3 +299,19 @@ def test_lora_dropout_keeps_the_ranks_in_step(tmp_path):
     assert first and sorted(first) == sorted(second)
     for name, grad in first.items():
         torch.testing.assert_close(second[name], grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _lm_head_target(rank, world_size, tmp):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
+    try:
+        peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_lora_on_a_vocabulary_split_head_refuses_on_every_rank(tmp_path):
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    for message in run_distributed(_lm_head_target, 2, str(tmp_path)):
+        assert message is not None and "vocabulary-split layer" in message
