@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from oslo.parallel import failure, traced
-from oslo.parallel.mappings import group_size
+from oslo.parallel import traced
+from oslo.parallel.mappings import _all_reduce, group_size
 
 
 def _graph_is_kept() -> bool:
@@ -43,12 +42,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         padded = valid_columns < logits.size(-1)
         row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
-        if group_size(group) > 1 and torch.compiler.is_compiling():
-            row_max = traced.all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group",
-                                        op="max")
-        elif group_size(group) > 1:
-            failure.wait(dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, async_op=True), group,
-                         "taking the logits' maximum over the tensor-parallel group")
+        if group_size(group) > 1:
+            row_max = _all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group", "max")
 
         ignored = target == ignore_index
         local_target = target - vocab_start
@@ -62,12 +57,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if group_size(group) > 1:
             # One all-reduce for both per-token reductions.
-            both = torch.stack([target_logit, sum_exp])
-            what = "summing the loss terms over the tensor-parallel group"
-            if torch.compiler.is_compiling():
-                both = traced.all_reduce(both, group, what)
-            else:
-                failure.wait(dist.all_reduce(both, group=group, async_op=True), group, what)
+            both = _all_reduce(torch.stack([target_logit, sum_exp]), group,
+                               "summing the loss terms over the tensor-parallel group")
             target_logit, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 

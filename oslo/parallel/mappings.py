@@ -22,13 +22,20 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _all_reduce(tensor: torch.Tensor, group, what: str = "summing over the tensor-parallel group",
+                op: str = "sum") -> torch.Tensor:
+    """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, in place of a contiguous ``tensor``, waited
+    for as :func:`oslo.parallel.failure.wait` waits (``what``: for its errors). In a traced call, oslo's custom
+    operator, which runs this same code when the compiled program runs (see :mod:`oslo.parallel.traced`)."""
     from oslo.parallel import failure  # (failure imports this module)
 
     if torch.compiler.is_compiling():
-        return traced.all_reduce(tensor, group, "summing over the tensor-parallel group")
+        return traced.all_reduce(tensor, group, what, op)
     tensor = tensor.contiguous()
-    failure.wait(dist.all_reduce(tensor, group=group, async_op=True), group, "summing over the tensor-parallel group")
+    failure.wait(dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True), group, what)
     return tensor
 
 
@@ -37,18 +44,20 @@ def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return chunks[group_rank(group)].contiguous()
 
 
-def _all_gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, group, dim: int, what: str = "gathering over the tensor-parallel group"
+                ) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` (a new tensor); traced as :func:`_all_reduce`
+    is."""
     from oslo.parallel import failure
 
     if torch.compiler.is_compiling():
-        return traced.all_gather(tensor, group, dim, "gathering over the tensor-parallel group")
+        return traced.all_gather(tensor, group, dim, what)
     # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
     device = tensor.device
     staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
     tensor = (tensor.cpu() if staged else tensor).contiguous()
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group,
-                 "gathering over the tensor-parallel group")
+    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
     gathered = torch.cat(parts, dim=dim)
     return gathered.to(device) if staged else gathered
 

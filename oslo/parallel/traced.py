@@ -58,17 +58,11 @@ def _group(name: str):
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
 @torch.library.custom_op("oslo::all_reduce", mutates_args=())
 def _all_reduce_op(tensor: torch.Tensor, group_name: str, op: str, what: str) -> torch.Tensor:
-    from oslo.parallel import failure
+    from oslo.parallel.mappings import _all_reduce  # the eager collective (no tracing when this runs)
 
-    out = tensor.contiguous().clone()
-    group = _group(group_name)
-    failure.wait(dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True), group, what)
-    return out
+    return _all_reduce(tensor.clone(memory_format=torch.contiguous_format), _group(group_name), what, op)
 
 
 @_all_reduce_op.register_fake
@@ -78,17 +72,9 @@ def _(tensor, group_name, op, what):
 
 @torch.library.custom_op("oslo::all_gather", mutates_args=())
 def _all_gather_op(tensor: torch.Tensor, group_name: str, dim: int, what: str) -> torch.Tensor:
-    from oslo.parallel import failure
+    from oslo.parallel.mappings import _all_gather
 
-    group = _group(group_name)
-    device = tensor.device
-    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
-    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
-    tensor = (tensor.cpu() if staged else tensor).contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
-    gathered = torch.cat(parts, dim=dim)
-    return gathered.to(device) if staged else gathered
+    return _all_gather(tensor, _group(group_name), dim, what)
 
 
 @_all_gather_op.register_fake
@@ -98,13 +84,12 @@ def _(tensor, group_name, dim, what):
 
 
 def all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
-    """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, as a new tensor, waited for as
-    :func:`oslo.parallel.failure.wait` waits."""
+    """:func:`oslo.parallel.mappings._all_reduce` as a traced operator: a new tensor."""
     return _all_reduce_op(tensor, group.group_name, op, what)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
-    """Every rank's ``tensor`` of ``group``, concatenated along ``dim``, as a new tensor."""
+    """:func:`oslo.parallel.mappings._all_gather` as a traced operator."""
     return _all_gather_op(tensor, group.group_name, dim, what)
 
 
