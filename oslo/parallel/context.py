@@ -284,7 +284,7 @@ class ParallelContext:
         if seed is None:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
         self.seed = seed
-        self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device, self.tensor_parallel_size)
+        self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device)
 
     @classmethod
     def planning(cls) -> ParallelContext:

@@ -55,7 +55,6 @@ class ParallelRNG:
         seed: Base seed; the split stream uses ``seed + 2718 + tensor_parallel_rank``.
         tensor_parallel_rank: This rank's index in its tensor-parallel group.
         device: Device whose default generator the streams stand in for.
-        tensor_parallel_size: The size of that group.
 
     Under ``torch.compile`` (which cannot trace swapping a generator's state) the streams step aside: a
     compiled call draws its dropout masks from the default generator (inductor: from its own generator, seeded
@@ -67,10 +66,8 @@ class ParallelRNG:
     the other ranks' heads get), where an eager call draws them independently.
     """
 
-    def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device,
-                 tensor_parallel_size: int = 1) -> None:
+    def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device) -> None:
         self._seeds = {"replicated": seed, "split": seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank}
-        self.tensor_parallel_size = tensor_parallel_size
         self.device = _concrete(device)
         self._states = {stream: _seeded_state(value, self.device) for stream, value in self._seeds.items()}
         self._active: str | None = None
