@@ -621,18 +621,22 @@ def use_plain_leaves(model: nn.Module) -> None:
         _mirror_gradient(storage)
 
 
+def _view_storage(dt: DTensor) -> None:
+    """Make ``dt``'s local tensor a view of its storage's current memory again, if it is not."""
+    storage = dt._oslo_storage
+    local = dt._local_tensor
+    if local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr() \
+            or local.storage_offset() != storage.storage_offset():
+        dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
+
+
 def follow_storages(model: nn.Module) -> None:
     """Point every DTensor whose storage trains in its place at the storage's current memory. DeepSpeed's
     ZeRO 1 and 2 move the parameters it trains into one flat buffer (``param.data = view``): without this the
     DTensors (``state_dict``, saving, ``full_tensor()``) would keep showing the weights from before."""
     for dt in model.parameters():
-        if not isinstance(dt, DTensor) or not getattr(dt, "_oslo_plain_leaf", False):
-            continue
-        storage = dt._oslo_storage
-        local = dt._local_tensor
-        if local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr() \
-                or local.storage_offset() != storage.storage_offset():
-            dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
+        if isinstance(dt, DTensor) and getattr(dt, "_oslo_plain_leaf", False):
+            _view_storage(dt)
 
 
 def relink_storages(module: nn.Module) -> None:
@@ -641,9 +645,7 @@ def relink_storages(module: nn.Module) -> None:
     (which compute on the storage) and an optimizer (which updates the DTensor) would part ways."""
     for dt in module.parameters():
         if isinstance(dt, DTensor) and hasattr(dt, "_oslo_storage"):
-            storage = dt._oslo_storage
-            if dt._local_tensor.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():
-                dt._local_tensor = _local_of(storage.detach(), dt._oslo_spec)
+            _view_storage(dt)
 
 
 class _PlainLeaves(nn.Module):
