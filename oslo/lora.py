@@ -80,8 +80,7 @@ class _Shard(torch.nn.Module):
 
     def stored(self) -> torch.Tensor:
         """This rank's slice itself (no autograd): what merging reads."""
-        weight = self.weight
-        return weight._oslo_storage if hasattr(weight, "_oslo_storage") else weight
+        return _stored(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.local_weight())
@@ -109,6 +108,11 @@ class _Shard(torch.nn.Module):
         part = full if spec is None else spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
         with torch.no_grad():
             self.stored().copy_(part)
+
+
+def _stored(param: torch.Tensor) -> torch.Tensor:
+    """The tensor an oslo parameter's values live in: a DTensor's storage (this rank's slice), else itself."""
+    return param._oslo_storage if hasattr(param, "_oslo_storage") else param
 
 
 def _context_of(layer):
@@ -240,15 +244,11 @@ def _make_class():
             delta = (b.float() @ a.float()) * self.scaling[adapter]
             return (delta.t() if getattr(self.get_base_layer(), "transposed", False) else delta).to(b.dtype)
 
-        def _stored_base_weight(self) -> torch.Tensor:
-            weight = self.get_base_layer().weight
-            return weight._oslo_storage if hasattr(weight, "_oslo_storage") else weight
-
         def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
             if self._oslo_context is None:
                 return super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
             adapter_names = check_adapters_to_merge(self, adapter_names)
-            weight = self._stored_base_weight()
+            weight = _stored(self.get_base_layer().weight)
             for name in adapter_names:
                 if name not in self.lora_A:
                     continue
@@ -265,7 +265,7 @@ def _make_class():
             if not self.merged:
                 warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
                 return
-            weight = self._stored_base_weight()
+            weight = _stored(self.get_base_layer().weight)
             while self.merged_adapters:
                 name = self.merged_adapters.pop()
                 if name in self.lora_A:
@@ -336,16 +336,21 @@ def _dispatch(target, adapter_name, config, **kwargs):
     return ParallelLoraLinear(target, adapter_name, config=config, **kwargs)
 
 
+_installed: bool | None = None  # whether install() taught PEFT (None: not tried yet)
+
+
 def install() -> bool:
-    """Make PEFT's ``LoraModel`` wrap oslo's linear layers (once per process); ``False`` without PEFT."""
-    global ParallelLoraLinear
+    """Make PEFT's ``LoraModel`` wrap oslo's linear layers (once per process); ``False`` without PEFT. Every oslo
+    model calls it when it is built: after the first, it only returns what the first found."""
+    global ParallelLoraLinear, _installed
+    if _installed is not None:
+        return _installed
+    _installed = False
     if importlib.util.find_spec("peft") is None:
         return False
     from peft.tuners.lora.model import LoraModel
 
     create = LoraModel._create_new_module
-    if getattr(create, "_oslo_dispatches", False):
-        return True
     ParallelLoraLinear = _make_class()
 
     @functools.wraps(create)
@@ -360,10 +365,10 @@ def install() -> bool:
         _check_layout(model)
         return inject(self, model, *args, **kwargs)
 
-    create_new_module._oslo_dispatches = True
     LoraModel._create_new_module = staticmethod(create_new_module)
     LoraModel.inject_adapter = inject_adapter
     _install_copies_and_saves()
+    _installed = True
     return True
 
 
