@@ -35,15 +35,22 @@ def _lora_config(case, **overrides):
     return peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **{**TARGETS[case.name], **overrides})
 
 
+def _reference_adapter(case, directory):
+    """The transformers model of ``case`` (seed 0) saved in ``directory/base``, and PEFT's adapter for it (seed 1)
+    in ``directory/theirs``; returns the PEFT model."""
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(directory / "base")
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(reference, _lora_config(case))
+    theirs.save_pretrained(directory / "theirs")
+    return theirs
+
+
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_lora_equals_peft_on_transformers(case, tmp_path):
-    torch.manual_seed(0)
-    reference = getattr(transformers, case.name)(case.config())
-    reference.save_pretrained(tmp_path / "base")
-    torch.manual_seed(1)
-    theirs = peft.get_peft_model(reference, _lora_config(case))
-    theirs.save_pretrained(tmp_path / "theirs")
+    theirs = _reference_adapter(case, tmp_path)
     base = getattr(oslo, case.name).from_pretrained_with_parallel(tmp_path / "base")
     ours = peft.PeftModel.from_pretrained(base, tmp_path / "theirs", is_trainable=True)
     batch = case.batch()
@@ -184,7 +191,7 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
     return True
 
 
-LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2)}
+LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4)}
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -195,24 +202,9 @@ def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, t
     on the whole batch here) every parameter is a DTensor of a one-rank mesh; at pp=2 each stage holds the adapters
     of its layers, trains them with the manual's micro-batch loop, and the saved adapter gathers every stage's."""
     tp, pp, processes = LAYOUTS[layout]
-    torch.manual_seed(0)
-    reference = getattr(transformers, case.name)(case.config())
-    reference.save_pretrained(tmp_path / "base")
-    torch.manual_seed(1)
-    peft.get_peft_model(reference, _lora_config(case)).save_pretrained(tmp_path / "theirs")
+    _reference_adapter(case, tmp_path)
     assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp,
                            timeout=300) == [True] * processes
-
-
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_lora_at_tp2_pp2_equals_peft_on_transformers(case, tmp_path):
-    torch.manual_seed(0)
-    reference = getattr(transformers, case.name)(case.config())
-    reference.save_pretrained(tmp_path / "base")
-    torch.manual_seed(1)
-    peft.get_peft_model(reference, _lora_config(case)).save_pretrained(tmp_path / "theirs")
-    assert run_distributed(_split_equals_peft, 4, case.name, str(tmp_path), 2, 2, timeout=300) == [True] * 4
 
 
 def _new_adapter_at_tp2(rank, world_size, tmp):

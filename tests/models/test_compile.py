@@ -40,6 +40,15 @@ def _gradients(model) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
+def assert_same_gradients(actual: dict, expected: dict, key: str) -> None:
+    """The compiled call's gradients (``None`` where there is none) are eager's."""
+    for name, grad in actual.items():
+        if expected[name] is None:
+            assert grad is None, f"{key}: {name} got a gradient only when compiled"
+        else:
+            torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{key} {n}: {m}")
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
 def test_compiled_calls_equal_eager(case):
     torch._dynamo.reset()
@@ -54,11 +63,7 @@ def test_compiled_calls_equal_eager(case):
     case.loss(actual).backward()
     torch.testing.assert_close(case.loss(actual), case.loss(expected))
     compare_outputs(actual, expected, case.key)
-    for name, grad in _gradients(model).items():
-        if expected_grads[name] is None:
-            assert grad is None, f"{case.key}: {name} got a gradient only when compiled"
-        else:
-            torch.testing.assert_close(grad, expected_grads[name], msg=lambda m, n=name: f"{case.key} {n}: {m}")
+    assert_same_gradients(_gradients(model), expected_grads, case.key)
 
     model.eval()
     with torch.no_grad():

@@ -19,7 +19,7 @@ import oslo
 from oslo.parallel import InputMismatchError
 from oslo.parallel.dtensor import plain
 from tests.distributed import run_distributed
-from tests.models.test_compile import _small_config
+from tests.models.test_compile import _small_config, assert_same_gradients
 from tests.models.zoo import all_cases, compare_outputs
 
 ARCHS = list(dict.fromkeys(case.arch for case in all_cases()))
@@ -47,12 +47,7 @@ def _compiled_equal_eager(rank, world_size, arch):
         case.loss(actual).backward()
         torch.testing.assert_close(case.loss(actual), case.loss(expected))
         compare_outputs(actual, expected, case.key)
-        for name, grad in _local_grads(model).items():
-            if expected_grads[name] is None:
-                assert grad is None, f"{case.key}: {name} got a gradient only when compiled"
-            else:
-                torch.testing.assert_close(grad, expected_grads[name],
-                                           msg=lambda m, n=name, k=case.key: f"{k} {n}: {m}")
+        assert_same_gradients(_local_grads(model), expected_grads, case.key)
         model.eval()
         with torch.no_grad():
             compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
