@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from oslo.parallel import ParallelContext
 from oslo.parallel import context as context_module
-from tests.distributed import run_distributed
+from tests.distributed import _free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RUNS = 2
@@ -62,8 +62,13 @@ def test_a_group_the_user_created_is_left_alone():
 
 def _replaced_by_the_user(rank, world_size):
     ParallelContext(tensor_parallel_size=world_size)  # oslo initializes the default group
+    # The new group meets at a port agreed over the old one: re-using MASTER_PORT lets a fast rank reach the old
+    # store (its stale keys) before the slow rank 0 has closed it, and rank 0 then waits for it forever.
+    port = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
-    dist.init_process_group("gloo")  # then the user replaces it with one of their own
+    # then the user replaces it with one of their own
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world_size)
     context_module.destroy_process_group_at_exit()
     return dist.is_initialized()
 
