@@ -17,7 +17,8 @@ __version__ = "0.1.0.dev0"
 
 # module -> the public names it provides (oslo.models' list is checked against its __all__ by the tests)
 _EXPORTS: dict[str, list[str]] = {
-    "transformers": ["BertConfig", "GPT2Config", "GPTNeoConfig", "T5Config"],
+    "transformers": ["BertConfig", "GPT2Config", "GPTNeoConfig", "LlamaConfig", "MistralConfig", "Qwen2Config",
+                     "T5Config"],
     "oslo.models": [
         "BertEmbeddings", "BertSelfAttention", "BertSelfOutput", "BertAttention", "BertIntermediate", "BertOutput",
         "BertLayer", "BertPreTrainedModel", "BertModel", "BertForPreTraining", "BertLMHeadModel", "BertForMaskedLM",
@@ -28,6 +29,12 @@ _EXPORTS: dict[str, list[str]] = {
         "GPT2ForQuestionAnswering",
         "GPTNeoAttention", "GPTNeoMLP", "GPTNeoBlock", "GPTNeoPreTrainedModel", "GPTNeoModel", "GPTNeoForCausalLM",
         "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification", "GPTNeoForQuestionAnswering",
+        "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "LlamaPreTrainedModel", "LlamaModel", "LlamaForCausalLM",
+        "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
+        "Qwen2PreTrainedModel", "Qwen2Model", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification",
+        "Qwen2ForTokenClassification", "Qwen2ForQuestionAnswering",
+        "MistralPreTrainedModel", "MistralModel", "MistralForCausalLM", "MistralForSequenceClassification",
+        "MistralForTokenClassification", "MistralForQuestionAnswering",
         "T5Attention", "T5Block", "T5DenseActDense", "T5DenseGatedActDense", "T5EncoderModel",
         "T5ForConditionalGeneration", "T5ForQuestionAnswering", "T5ForSequenceClassification",
         "T5ForTokenClassification", "T5LayerFF", "T5LayerNorm", "T5Model", "T5PreTrainedModel", "T5Stack",

@@ -1103,7 +1103,7 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def _init_rule(self, module_name: str, module: nn.Module, param_name: str) -> tuple[str, float]:
         """How a parameter is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``."""
-        if isinstance(module, nn.LayerNorm) or "LayerNorm" in type(module).__name__:
+        if isinstance(module, nn.LayerNorm) or any(norm in type(module).__name__ for norm in ("LayerNorm", "RMSNorm")):
             return ("ones", 0.0) if param_name == "weight" else ("zeros", 0.0)
         if param_name == "bias":
             return ("zeros", 0.0)
@@ -1119,9 +1119,17 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Direct construction (``Model(config)``): initialize the local shards in place.
-        module_name = self._module_names.get(id(module), "")
-        for param_name, param in module.named_parameters(recurse=False):
+        # Direct construction (``Model(config)``), or a module transformers' loading left uninitialized:
+        # initialize the local shards (and the buffers) in place.
+        self._init_buffers(module)
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            return
+        names = self.__dict__.get("_module_names")
+        if names is None:  # a body's own init, which transformers dispatches to it inside its head's
+            names = {id(m): n for n, m in self.named_modules()}
+        module_name = names.get(id(module), "")
+        for param_name, param in params:
             kind, std = self._init_rule(module_name, module, param_name)
             if kind == "normal":
                 param.normal_(0.0, std)

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 from transformers.masking_utils import create_causal_mask as _create_causal_mask
+from transformers.masking_utils import create_sliding_window_causal_mask as _create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 __all__ = ["CACHE_FIELD", "LEGACY_CACHE_NAME", "accepts_legacy_cache_name", "create_causal_mask",
-           "rename_legacy_cache"]
+           "create_sliding_window_causal_mask", "rename_legacy_cache"]
 
 LEGACY_CACHE_NAME = "past_key_values"
 
@@ -71,3 +72,11 @@ def create_causal_mask(config, inputs_embeds: torch.Tensor, attention_mask, cach
     """transformers' ``create_causal_mask``, taking the cache as ``cache`` whatever the installed release."""
     return _create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                position_ids=position_ids, **{_CAUSAL_MASK_CACHE: cache})
+
+
+def create_sliding_window_causal_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache, position_ids=None):
+    """transformers' ``create_sliding_window_causal_mask`` (``config.sliding_window`` keys back), taking the
+    cache as ``cache`` whatever the installed release."""
+    return _create_sliding_window_causal_mask(config=config, inputs_embeds=inputs_embeds,
+                                              attention_mask=attention_mask, position_ids=position_ids,
+                                              **{_CAUSAL_MASK_CACHE: cache})

@@ -270,13 +270,18 @@ class Seq2SeqLMHead(VocabularyHead):
 
 
 class TokenClassificationHead(ClassifierDropout):
-    """A class per token: dropout, then a linear layer on every position's hidden state."""
+    """A class per token: dropout, then a linear layer on every position's hidden state, named by
+    ``_token_classifier`` (``"classifier"``; the Llama family: ``"score"``)."""
+
+    _token_classifier: str = "classifier"
 
     def _build_token_classification_head(self, config) -> None:
         self.num_labels = config.num_labels
         self.dropout = nn.Dropout(self._classifier_dropout_probability(config))
         last = self.parallel_context.is_pipeline_last_stage()
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if last else None
+        bias = getattr(config, "token_classification_bias", True)
+        setattr(self, self._token_classifier,
+                nn.Linear(config.hidden_size, config.num_labels, bias=bias) if last else None)
 
     @accepts_legacy_cache_name
     def forward(
@@ -304,7 +309,7 @@ class TokenClassificationHead(ClassifierDropout):
             check_labels(labels, self.num_labels, classes=True)  # every rank, before any communication
 
         def head(outputs, inputs, head_inputs, outputs_needed):
-            logits = self.classifier(self.dropout(outputs.last_hidden_state))
+            logits = getattr(self, self._token_classifier)(self.dropout(outputs.last_hidden_state))
             loss = None
             if head_inputs["labels"] is not None:
                 labels = head_inputs["labels"].to(logits.device)

@@ -19,6 +19,7 @@ all its classes.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ import oslo
 from tests.helpers import CountAllReduces, full_grads, full_params
 
 CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.models.cases_bert",
-                "tests.models.cases_t5"]
+                "tests.models.cases_t5", "tests.models.cases_llama", "tests.models.cases_qwen2",
+                "tests.models.cases_mistral"]
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # every class
 ANCHOR_LAYOUTS = [(4, 1), (2, 2)]  # each architecture's anchor class
@@ -278,8 +280,11 @@ def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int,
     block = next(iter(layers))
     hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     hidden.requires_grad_()
+    extra = {}
+    if "position_embeddings" in inspect.signature(block.forward).parameters:  # rotary: the body computes them
+        extra["position_embeddings"] = model.base_model.rotary_emb(hidden, torch.arange(7)[None])
     with CountAllReduces() as forward:
-        out = block(hidden)
+        out = block(hidden, **extra)
         out = out[0] if isinstance(out, tuple) else out
     with CountAllReduces() as backward:
         out.square().sum().backward()

@@ -1,0 +1,65 @@
+"""Mistral: the Llama family's blocks (``llama.py``) without biases, every layer attending within
+``config.sliding_window`` keys back when it is set."""
+
+from __future__ import annotations
+
+from transformers import MistralConfig
+
+from oslo.models.llama import (
+    FULL,
+    SLIDING,
+    LlamaForCausalLM,
+    LlamaForQuestionAnswering,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    LlamaModel,
+    LlamaPreTrainedModel,
+)
+
+
+class MistralPreTrainedModel(LlamaPreTrainedModel):
+    config_class = MistralConfig
+    config: MistralConfig
+
+    @staticmethod
+    def _projection_biases(config) -> tuple[bool, bool]:
+        return False, False
+
+    @staticmethod
+    def _mlp_bias(config) -> bool:
+        return False
+
+    @staticmethod
+    def _layer_types(config) -> list[str]:
+        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+
+
+class MistralModel(MistralPreTrainedModel, LlamaModel):
+    pass
+
+
+class MistralForCausalLM(MistralPreTrainedModel, LlamaForCausalLM):
+    _body_class = MistralModel
+
+
+class MistralForSequenceClassification(MistralPreTrainedModel, LlamaForSequenceClassification):
+    _body_class = MistralModel
+
+
+class MistralForTokenClassification(MistralPreTrainedModel, LlamaForTokenClassification):
+    _body_class = MistralModel
+
+
+class MistralForQuestionAnswering(MistralPreTrainedModel, LlamaForQuestionAnswering):
+    base_model_prefix = "model"  # transformers names Llama's and Qwen2's "transformer", Mistral's not
+    _body_class = MistralModel
+
+
+__all__ = [
+    "MistralPreTrainedModel",
+    "MistralModel",
+    "MistralForCausalLM",
+    "MistralForSequenceClassification",
+    "MistralForTokenClassification",
+    "MistralForQuestionAnswering",
+]
