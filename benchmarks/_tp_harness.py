@@ -1,5 +1,5 @@
 """Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs and
-the architectures the scripts measure (GPT2, GPT-Neo, BERT, T5: :data:`ARCHS`).
+the architectures the scripts measure (GPT2, GPT-Neo, BERT, T5, Llama, Qwen2, Mistral: :data:`ARCHS`).
 
 Imported by the scripts in this folder (``python benchmarks/<name>.py`` puts the folder on
 ``sys.path``). Importing it pins the parent process to one torch thread *before* any torch work, so
@@ -18,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import collections
 import contextlib
 import datetime
+import functools
 import multiprocessing as mp
 import platform
 import socket
@@ -30,7 +31,16 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import BertConfig, GPT2Config, GPTNeoConfig, PretrainedConfig, T5Config
+from transformers import (
+    BertConfig,
+    GPT2Config,
+    GPTNeoConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    T5Config,
+)
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
@@ -281,6 +291,24 @@ def t5_config(size: str = "small", n_layer: int | None = None, dropout: float = 
     return T5Config(**values)
 
 
+def llama_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0, family: str = "llama",
+                 **overrides) -> PretrainedConfig:
+    """A Llama-family config of published Llama shapes (``small``: SmolLM-135M, hidden 576, 30 layers, 9 query
+    heads over 3 key/value heads, MLP 1536, vocab 49152; ``large``: Llama-3.2-1B, hidden 2048, 16 layers, 32
+    heads over 8, MLP 8192, vocab 128256; both with tied embeddings), as ``family``'s config (``qwen2``: biases
+    on q/k/v; ``mistral``: its sliding window, 4096 keys, longer than any sequence here)."""
+    hidden, layers, heads, kv_heads, inner, vocab = {
+        "small": (576, 30, 9, 3, 1536, 49152), "large": (2048, 16, 32, 8, 8192, 128256)}[_size(size)]
+    values = {
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inner, "num_hidden_layers": n_layer or layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 2048,
+        "tie_word_embeddings": True, "attention_dropout": dropout, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    values.update(overrides)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family](**values)
+
+
 def _size(size: str) -> str:
     return {"small": "small", "medium": "large", "large": "large"}[size]
 
@@ -299,6 +327,8 @@ def describe(config: PretrainedConfig) -> str:
         kinds = collections.Counter(config.attention_layers)
         text += (f" intermediate={config.intermediate_size or 4 * config.hidden_size} "
                  f"attention {kinds['global']} global + {kinds['local']} local (window {config.window_size})")
+    elif config.model_type in ("llama", "qwen2", "mistral"):
+        text += f" key_value_heads={config.num_key_value_heads} intermediate={config.intermediate_size}"
     elif config.model_type == "bert":
         text += f" intermediate={config.intermediate_size} type_vocab={config.type_vocab_size}"
         if config.is_decoder:
@@ -381,6 +411,10 @@ ARCHS: dict[str, Arch] = {
                  "bert.embeddings.word_embeddings", "cls", masked=True),
     "t5": Arch("t5", "T5ForConditionalGeneration", "T5ForConditionalGeneration", t5_config, "encoder.block",
                "shared", "lm_head", masked=False, decoder_block_prefix="decoder.block"),
+    **{family: Arch(family, f"{prefix}ForCausalLM", f"{prefix}ForCausalLM",
+                    functools.partial(llama_config, family=family), "model.layers", "model.embed_tokens", "lm_head",
+                    masked=False)
+       for family, prefix in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"))},
 }
 
 

@@ -141,8 +141,8 @@ def test_bad_input_exits_2_with_one_line(case, gpt2, tmp_path, monkeypatch, caps
     monkeypatch.setattr(check, "_launch", no_launch)
     argv, expected = {  # built for the case only: the configs are written into tmp_path
         "no_config": lambda: ([str(tmp_path)], "has no config.json"),
-        "unsupported_class": lambda: ([_config_only(tmp_path, architectures=["LlamaForCausalLM"])],
-                                      "oslo has no parallel class 'LlamaForCausalLM'"),
+        "unsupported_class": lambda: ([_config_only(tmp_path, architectures=["FalconForCausalLM"])],
+                                      "oslo has no parallel class 'FalconForCausalLM'"),
         "no_head": lambda: ([_config_only(tmp_path, architectures=["GPT2Model"])], "GPT2Model has no loss to check"),
         "heads": lambda: ([gpt2, "--tensor-parallel-size", "3"], "does not divide the number of attention heads"),
         "stages": lambda: ([gpt2, "--pipeline-parallel-size", "3"], "exceeds the number of layers"),

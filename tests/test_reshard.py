@@ -47,7 +47,7 @@ def _assert_same_files(expected: str, actual: str) -> None:
         assert filecmp.cmp(os.path.join(expected, name), os.path.join(actual, name), shallow=False), name
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neo", "bert", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neo", "bert", "t5", "llama", "qwen2"])
 def test_round_trip_is_bit_identical_to_saving_at_each_layout(tmp_path, arch):
     """(2,2) -> (4,1) -> merged -> (1,2) -> (2,2): each step equals the save at that layout, the merged one holds
     the transformers model's tensors exactly, and the last step gives back the files it started from."""
