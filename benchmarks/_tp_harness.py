@@ -1,5 +1,6 @@
-"""Shared helpers of the benchmark scripts: a fork launcher for gloo ranks, timing, memory, configs and
-the architectures the scripts measure (GPT2, GPT-Neo, BERT, T5, Llama, Qwen2, Mistral: :data:`ARCHS`).
+"""Shared helpers of the benchmark scripts: launching gloo ranks (through oslo.launch), timing, memory,
+configs and the architectures the scripts measure (GPT2, GPT-Neo, BERT, T5, Llama, Qwen2, Mistral:
+:data:`ARCHS`).
 
 Imported by the scripts in this folder (``python benchmarks/<name>.py`` puts the folder on
 ``sys.path``). Importing it pins the parent process to one torch thread *before* any torch work, so
@@ -16,15 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import collections
-import contextlib
 import datetime
 import functools
-import multiprocessing as mp
 import platform
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,39 +39,15 @@ from transformers import (
     T5Config,
 )
 
+import oslo.launch as oslo_launch
+
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------
-# Launching ranks
+# Launching ranks (oslo.launch, the package's one local launcher)
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(fn, rank, world_size, port, threads, args, conn) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(threads)
-    try:
-        conn.send(("ok", fn(rank, world_size, *args)))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        os._exit(0)
-
-
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1, timeout: float = 600.0,
            env: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes; return their results.
@@ -82,62 +55,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
     Each process gets the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, ...) so oslo
     initializes gloo itself, and ``threads`` torch threads. With ``world_size=1`` and ``env=False``
     the child is a plain process (no launcher variables), as a user's single-process run would be.
+    The first rank to fail fails the run at once.
     """
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        target = _worker if env else _plain_worker
-        proc = ctx.Process(target=target, args=(fn, rank, world_size, port, threads, args, child_conn),
-                           daemon=True)
-        proc.start()
-        child_conn.close()
-        procs.append(proc)
-        conns.append(parent_conn)
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
-            waiting = [c for r, c in enumerate(conns) if r not in results]
-            for conn in mp.connection.wait(waiting, timeout=remaining):
-                rank = conns.index(conn)
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    status, payload = "error", f"exited without a result (exit code {procs[rank].exitcode})"
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=5)
-        for conn in conns:
-            conn.close()
-    return [results[rank] for rank in range(world_size)]
+    return oslo_launch.run(fn, world_size, args, threads=threads, timeout=timeout, launcher_variables=env, grace=0.0)
 
 
-def _plain_worker(fn, rank, world_size, port, threads, args, conn) -> None:
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
-    torch.set_num_threads(threads)
-    try:
-        conn.send(("ok", fn(rank, world_size, *args)))
-    except BaseException as exc:  # noqa: BLE001
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-        os._exit(0)
-
-
-class WorkerGroup:
+class WorkerGroup(oslo_launch.RankGroup):
     """Long-lived forked ranks that keep their state between timed commands.
 
     ``setup(rank, world_size, *args)`` runs once in each rank and returns ``handle(command)``;
@@ -146,82 +69,9 @@ class WorkerGroup:
     load on the machine hits all of them alike.
     """
 
-    def __init__(self, setup: Callable[..., Callable[[Any], Any]], world_size: int, *args: Any,
-                 threads: int = 1, env: bool = True, timeout: float = 600.0) -> None:
-        ctx = mp.get_context("fork")
-        port = _free_port()
-        self.timeout = timeout
-        self.procs, self.conns = [], []
-        for rank in range(world_size):
-            parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(target=_group_worker, daemon=True,
-                               args=(setup, rank, world_size, port, threads, env, args, child_conn))
-            proc.start()
-            child_conn.close()
-            self.procs.append(proc)
-            self.conns.append(parent_conn)
-        self._collect()
-
-    def _collect(self) -> list[Any]:
-        results = []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(self.timeout):
-                self.close()
-                raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f} s")
-            try:
-                status, payload = conn.recv()
-            except EOFError:
-                status, payload = "error", f"exited (exit code {self.procs[rank].exitcode})"
-            if status == "error":
-                self.close()
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results.append(payload)
-        return results
-
-    def call(self, command: Any) -> list[Any]:
-        for conn in self.conns:
-            conn.send(command)
-        return self._collect()
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
-
-
-def _group_worker(setup, rank, world_size, port, threads, env, args, conn) -> None:
-    if env:
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )
-    else:
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(name, None)
-    torch.set_num_threads(threads)
-    try:
-        handle = setup(rank, world_size, *args)
-        conn.send(("ok", None))
-        while (command := conn.recv()) is not None:
-            conn.send(("ok", handle(command)))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        os._exit(0)
+    def __init__(self, setup: Callable[..., Callable[[Any], Any]], world_size: int, *args: Any, threads: int = 1,
+                 env: bool = True, timeout: float = 600.0) -> None:
+        super().__init__(setup, world_size, *args, threads=threads, launcher_variables=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import transformers
 from transformers import GPT2Config
 
 import oslo
+from oslo.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,14 +74,8 @@ def _setup(rank, world_size, directories, new_tokens):
     return handle
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _server_rates(directory: str, concurrencies: list[int], requests: int) -> dict[int, float]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "deployment_server.py"), directory, "--tensor-parallel-size", "2",
          "--port", str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,

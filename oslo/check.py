@@ -43,10 +43,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import multiprocessing as mp
 import os
-import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -54,6 +51,8 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
+
+from oslo import launch
 
 HELP = "Compare an oslo model at a parallel layout with transformers on the same weights (logits, loss, gradients)."
 
@@ -720,101 +719,23 @@ def _run_rank(rank: int, plan: _Plan, emit) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 # Launching the ranks
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, plan: _Plan, port: int, conn) -> None:
-    world = plan.world_size
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        result = _run_rank(rank, plan, lambda line: conn.send_bytes(pickle.dumps(("line", line))))
-        conn.send_bytes(pickle.dumps(("done", result)))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        try:
-            conn.send_bytes(pickle.dumps(("error", text)))
-        except OSError:
-            pass
-    finally:
-        conn.close()
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-class _RankFailed(Exception):
-    def __init__(self, rank: int, text: str, others: list[int]):
-        self.rank, self.text, self.others = rank, text, others
-        super().__init__(f"rank {rank}: {text.splitlines()[0] if text else ''}")
+def _rank_main(rank: int, world_size: int, plan: _Plan) -> dict | None:
+    return _run_rank(rank, plan, launch.report)
 
 
 def _launch(plan: _Plan, grace: float = 10.0) -> dict | None:
     """Run the check on ``plan.world_size`` ranks; returns rank 0's verdict (lines printed as they come).
-    Raises :class:`_RankFailed` with the first rank's error (the others are stopped after ``grace`` s)."""
-    world = plan.world_size
-    if world == 1:  # no process group: this process is the rank
+    Raises :class:`~oslo.launch.RankFailedError` with the first rank's error (the others are stopped after
+    ``grace`` s)."""
+    if plan.world_size == 1:  # no process group: this process is the rank
         try:
             return _run_rank(0, plan, lambda line: print(line, flush=True))
         except Exception as exc:  # noqa: BLE001 - reported like a rank's failure
-            raise _RankFailed(0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", []) from exc
-    import time
-
+            raise launch.RankFailedError(0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
     # Forked ranks start at once with torch and transformers imported; CUDA needs fresh processes.
-    ctx = mp.get_context("spawn" if plan.backend == "nccl" else "fork")
-    port = _free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    procs, conns = [], []
-    try:
-        for rank in range(world):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(rank, plan, port, child_conn), daemon=True)
-            proc.start()
-            child_conn.close()
-            procs.append(proc)
-            conns.append(parent_conn)
-        results, failures = {}, {}
-        deadline = math.inf
-        while len(results) + len(failures) < world and time.monotonic() < deadline:
-            pending = [c for r, c in enumerate(conns) if r not in results and r not in failures]
-            timeout = None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
-            for conn in mp.connection.wait(pending, timeout=timeout):
-                rank = conns.index(conn)
-                try:
-                    status, payload = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[rank].join(timeout=5)
-                    status, payload = "error", f"the process ended without a result (exit code {procs[rank].exitcode})"
-                if status == "line":
-                    print(payload, flush=True)
-                elif status == "done":
-                    results[rank] = payload
-                else:
-                    failures[rank] = payload
-                    deadline = min(deadline, time.monotonic() + grace)  # the others may wait for it forever
-        if failures:
-            rank = next(iter(failures))
-            raise _RankFailed(rank, failures[rank], sorted(set(failures) - {rank}))
-        return results[0]
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=5)
-        for conn in conns:
-            conn.close()
+    return launch.run(_rank_main, plan.world_size, (plan,), grace=grace,
+                      start_method="spawn" if plan.backend == "nccl" else "fork",
+                      on_message=lambda rank, line: print(line, flush=True))[0]
 
 
 def _tolerance_text(plan: _Plan) -> str:
@@ -845,7 +766,7 @@ def main(args: argparse.Namespace) -> int:
                     return 2
                 plan = replace(plan, reference_path=merged)
             verdict = _launch(plan)
-        except _RankFailed as failure:
+        except launch.RankFailedError as failure:
             print(f"rank {failure.rank} failed"
                   + (f" (then ranks {failure.others} too)" if failure.others else "") + f":\n{failure.text}",
                   file=sys.stderr)

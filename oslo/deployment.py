@@ -14,7 +14,8 @@ is unlinked as soon as it is created, so nothing is left in ``/dev/shm`` whateve
 Calls are serialized by a lock, so a threaded web server can share one model. A worker that raises hands
 its exception (with its traceback as a note) to the caller and the workers stay usable; a worker that
 dies makes the caller raise a ``RuntimeError`` and the others are shut down. Workers end when the caller's
-process ends, however it ends (``PR_SET_PDEATHSIG`` on Linux, and a pipe they watch).
+process ends, however it ends (``PR_SET_PDEATHSIG`` on Linux, and a pipe they watch). The workers are a
+:class:`oslo.launch.RankGroup`, the package's one local launcher; this module adds the model's side.
 
 Workers start with the ``forkserver`` start method (``START_METHOD``; ``"spawn"`` works too): the script
 that deploys must guard its top level with ``if __name__ == "__main__":``, as every multiprocessing
@@ -24,29 +25,21 @@ script read from standard input; ``python -c`` and notebooks, which have no file
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import inspect
 import logging
 import multiprocessing as mp
-import multiprocessing.util
 import os
-import pickle
-import signal
-import socket
 import sys
 import threading
-import time
-import traceback
-import weakref
 from collections import UserDict
 from collections.abc import Callable
-from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory reductions of tensors
 from transformers.utils import ModelOutput
+
+from oslo.launch import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -55,34 +48,9 @@ START_METHOD = "forkserver"
 workers from it) or ``"spawn"``. Never ``"fork``": a threaded parent must not fork."""
 
 
-def _forget_inherited_forkserver() -> None:
-    """In a child forked from a process that had started multiprocessing's fork server, forget that server: it is
-    not this process's child, so the next deployment's ``ensure_running`` would fail (``waitpid``: no child
-    processes) instead of starting the child's own. Registered with ``os.register_at_fork``."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if getattr(server, "_forkserver_pid", None) is None:
-        return
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)  # the parent's server exits when its own processes let go of it
-    server._forkserver_pid = None
-    server._forkserver_address = None
-    server._forkserver_alive_fd = None
-
-
-os.register_at_fork(after_in_child=_forget_inherited_forkserver)
-
-
 SHARED_MEMORY_PATH = "/dev/shm"
 ERROR_GRACE_SECONDS = 30.0
 """After one worker raised, how long the others may take to answer before the pool is shut down."""
-CLOSE_GRACE_SECONDS = 5.0
-_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                       "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-_PR_SET_PDEATHSIG = 1
 
 
 class SharedMemoryTooSmallError(RuntimeError):
@@ -167,23 +135,9 @@ def _to_ordinary(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The worker
 # ---------------------------------------------------------------------------------------------
-def _die_with_parent(lifeline, set_pdeathsig: bool) -> None:
-    """End this process when the deploying process ends, even by SIGKILL."""
-    if set_pdeathsig and sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-    def watch():
-        # Only the deploying process holds the pipe's other end: EOF means it is gone.
-        with contextlib.suppress(BaseException):
-            while True:
-                lifeline.recv()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="oslo-deployment-lifeline", daemon=True).start()
-
-
+# ---------------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------------
 def _on_device(value: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return value
@@ -205,72 +159,29 @@ def _result_for_parent(value: Any) -> Any:
     return _map_values(value, convert)
 
 
-def _error_message(exc: BaseException) -> tuple:
-    text = "".join(traceback.format_exception(exc))
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return ("error", exc, text)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
-        return ("error", None, text)
-
-
-def _host_store(listener: socket.socket, port: int, world_size: int):
-    """Rank 0's rendezvous store on the socket the caller bound to loopback: the ``env://`` rendezvous of
-    ``init_process_group`` reuses it (it makes its store ``multi_tenant``), so the store does not listen on
-    every interface as one it creates itself would."""
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False, multi_tenant=True,
-                    master_listen_fd=listener.detach())
-
-
-def _worker(rank: int, world_size: int, port: int, listener: socket.socket | None, cls: type, method_name: str,
-            args: tuple, kwargs: dict, conn, lifeline, env: dict, threads: int, set_pdeathsig: bool) -> None:
-    _die_with_parent(lifeline, set_pdeathsig)
-    store = _host_store(listener, port, world_size) if listener is not None else None  # noqa: F841 - kept alive
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo listens on loopback only
-    torch.set_num_threads(threads)
+def _start_worker(rank: int, world_size: int, cls: type, method_name: str, args: tuple,
+                  kwargs: dict) -> Callable[[tuple], Any]:
+    """A worker's start (run by the launcher in each worker process): build the model; returns the handler of
+    the caller's commands ``(name, args, kwargs)``, which answers with global rank 0's result."""
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    try:
-        model = getattr(cls, method_name)(*args, **kwargs)
-        device = next(iter(model.parameters()), torch.empty(0)).device
-        info = None
-        if rank == 0:
-            info = dict(config=model.config, generation_config=getattr(model, "generation_config", None),
-                        can_generate=model.can_generate(), training=model.training, class_name=type(model).__name__,
-                        main_input_name=getattr(model, "main_input_name", "input_ids"))
-        conn.send(("ready", info))
-    except BaseException as exc:  # noqa: BLE001 - everything reaches the parent
-        conn.send(_error_message(exc))
-        os._exit(1)
-    while True:
-        try:
-            command = conn.recv()
-        except (EOFError, OSError):
-            break
-        if command[0] == "close":
-            break
-        _, name, args, kwargs = command
-        try:
-            result = _run(model, name, _on_device(args, device), _on_device(kwargs, device))
-            if rank != 0:
-                result = None
-            if result is not None:
-                result = _result_for_parent(result)
-                check_shared_memory(_tensor_bytes(result), f"the result of {name}()")
-            conn.send(("ok", result))
-        except BaseException as exc:  # noqa: BLE001
-            conn.send(_error_message(exc))
-    # os._exit skips interpreter teardown (which could wait on gloo); multiprocessing's own clean-up (the
-    # temporary directory of the socket that handed result tensors over) still runs.
-    with contextlib.suppress(Exception):
-        mp.util._run_finalizers()
-    os._exit(0)
+    model = getattr(cls, method_name)(*args, **kwargs)
+    device = next(iter(model.parameters()), torch.empty(0)).device
+
+    def handle(command: tuple) -> Any:
+        name, args, kwargs = command
+        if name == "__describe__":
+            return dict(config=model.config, generation_config=getattr(model, "generation_config", None),
+                        can_generate=model.can_generate(), training=model.training,
+                        class_name=type(model).__name__, main_input_name=getattr(model, "main_input_name",
+                                                                                 "input_ids"))
+        result = _run(model, name, _on_device(args, device), _on_device(kwargs, device))
+        if rank != 0 or result is None:
+            return None
+        result = _result_for_parent(result)
+        check_shared_memory(_tensor_bytes(result), f"the result of {name}()")
+        return result
+
+    return handle
 
 
 def _run(model, name: str, args: tuple, kwargs: dict) -> Any:
@@ -298,45 +209,6 @@ def _run(model, name: str, args: tuple, kwargs: dict) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The caller's side
 # ---------------------------------------------------------------------------------------------
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
-def _shutdown(processes: list, connections: list, lifeline) -> None:
-    """Ask the workers to stop, then end those that do not; close every pipe."""
-    for conn in connections:
-        with contextlib.suppress(Exception):
-            conn.send(("close",))
-    deadline = time.monotonic() + CLOSE_GRACE_SECONDS
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join(timeout=CLOSE_GRACE_SECONDS)
-    for conn in [*connections, lifeline]:
-        with contextlib.suppress(Exception):
-            conn.close()
-
-
-def _raise_worker_error(rank: int, exc: BaseException | None, text: str, closed: bool = False) -> None:
-    note = f"raised in deployment worker rank {rank}:\n{text}"
-    if closed:
-        note += "\nThe other workers did not answer in time: the deployment was shut down."
-    if exc is None:
-        raise RuntimeError(f"deployment worker rank {rank} failed:\n{text}")
-    exc.add_note(note)
-    raise exc
-
-
 class DeployedModel:
     """A model running in worker processes (made by ``from_pretrained_with_parallel(..., deployment=True)``).
 
@@ -350,51 +222,25 @@ class DeployedModel:
     """
 
     def __init__(self, cls: type, method_name: str, args: tuple, kwargs: dict, world_size: int) -> None:
-        ctx = mp.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(["oslo.deployment", "oslo.models"])  # what every worker imports
+        if START_METHOD == "forkserver":  # the server imports once what every worker needs
+            mp.get_context(START_METHOD).set_forkserver_preload(["oslo.deployment", "oslo.models"])
         torch.multiprocessing.set_sharing_strategy("file_descriptor")
         self._lock = threading.Lock()
-        self._closed = False
         self.world_size = world_size
-        # Bound here, to loopback, and handed to rank 0's store: no other process can take the port meanwhile.
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        env = {name: value for name, value in os.environ.items() if name not in _LAUNCHER_VARIABLES}
-        threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else \
+        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else \
             max(1, (os.cpu_count() or 1) // world_size)
-        # Under spawn the worker's parent is this thread: PDEATHSIG fires when the thread ends, so only the
-        # main thread's workers use it (the lifeline pipe covers the others).
-        pdeathsig = START_METHOD == "forkserver" or threading.current_thread() is threading.main_thread()
-        lifeline_reader, self._lifeline = ctx.Pipe(duplex=False)
-        self._processes, self._connections = [], []
-        args, kwargs = _to_shared(args), _to_shared(kwargs)
+        self._workers = RankGroup(
+            _start_worker, world_size, cls, method_name, _to_shared(tuple(args)), _to_shared(dict(kwargs)),
+            start_method=START_METHOD, threads=threads, loopback=True, die_with_parent=True,
+            error_grace=ERROR_GRACE_SECONDS, label="deployment worker rank",
+            start_hint=("A script that deploys a model must create it under `if __name__ == \"__main__\":` "
+                        f"(workers start with the {START_METHOD} method and import the main module); the "
+                        "worker's own error is printed on stderr above."))
         try:
-            for rank in range(world_size):
-                parent_conn, child_conn = ctx.Pipe()
-                process = ctx.Process(
-                    target=_worker, name=f"oslo-deployment-{rank}", daemon=True,
-                    args=(rank, world_size, port, listener if rank == 0 else None, cls, method_name, args, kwargs,
-                          child_conn, lifeline_reader, env, threads, pdeathsig))
-                process.start()
-                child_conn.close()
-                self._processes.append(process)
-                self._connections.append(parent_conn)
-        except BaseException:
-            _shutdown(self._processes, self._connections, self._lifeline)
-            raise
-        finally:
-            lifeline_reader.close()
-            listener.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self._processes, self._connections, self._lifeline)
-        try:
-            replies = self._gather(startup=True)
+            info = self._workers.call(("__describe__", (), {}))[0]
         except BaseException:
             self.close()
             raise
-        info = replies[0]
         self.config = info["config"]
         self.generation_config = info["generation_config"]
         self._sent_generation_config = self._generation_config_text()
@@ -407,113 +253,27 @@ class DeployedModel:
     @property
     def worker_pids(self) -> list[int]:
         """The workers' process ids, by global rank."""
-        return [process.pid for process in self._processes]
-
-    def _gather(self, startup: bool = False) -> list[Any]:
-        """Every worker's reply to the last command (rank order); raises the first error. Interrupted
-        (``KeyboardInterrupt``), it shuts the workers down: their replies would answer the next command."""
-        completed = False
-        try:
-            replies, error = self._collect_replies(startup)
-            completed = True
-        finally:
-            if not completed and not self._closed:
-                self._abort()
-        if error is not None:  # every worker answered: they are in step, the model stays usable
-            _raise_worker_error(*error)
-        return replies
-
-    def _collect_replies(self, startup: bool) -> tuple[list[Any], tuple | None]:
-        replies: dict[int, Any] = {}
-        error: tuple | None = None
-        deadline = None
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
-        connections = {conn: rank for rank, conn in enumerate(self._connections)}
-        while len(replies) < self.world_size:
-            waiting = [c for c, r in connections.items() if r not in replies]
-            waiting += [s for s, r in sentinels.items() if r not in replies]
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(waiting, timeout=timeout)
-            if not ready:  # a worker raised and the others did not answer: they are out of step
-                self._abort()
-                _raise_worker_error(error[0], error[1], error[2], closed=True)
-            for handle in sorted(ready, key=lambda h: h in sentinels):  # answers before deaths
-                rank = connections.get(handle, sentinels.get(handle))
-                if rank in replies:
-                    continue
-                if handle in connections:
-                    try:
-                        reply = handle.recv()
-                    except (EOFError, OSError):
-                        reply = None
-                    if reply is not None:
-                        if reply[0] == "error":
-                            replies[rank] = None
-                            if error is None:
-                                error = (rank, reply[1], reply[2])
-                                if startup:  # nothing to keep: fail at once
-                                    self._abort()
-                                    _raise_worker_error(*error)
-                                deadline = time.monotonic() + ERROR_GRACE_SECONDS
-                        else:
-                            replies[rank] = reply[1]
-                        continue
-                process = self._processes[rank]
-                process.join(timeout=1.0)
-                exitcode = process.exitcode
-                self._abort()
-                hint = ""
-                if startup and exitcode == 1:
-                    hint = (" A script that deploys a model must create it under `if __name__ == \"__main__\":` "
-                            f"(workers start with the {START_METHOD} method and import the main module); the "
-                            "worker's own error is printed on stderr above.")
-                raise RuntimeError(
-                    f"deployment worker rank {rank} (pid {process.pid}) {_describe_exit(exitcode)}"
-                    f"{' while starting' if startup else ''}; the other workers were shut down.{hint}"
-                )
-        return [replies[rank] for rank in range(self.world_size)], error
+        return self._workers.pids
 
     def _command(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``name(*args, **kwargs)`` on every worker; global rank 0's result."""
         check_shared_memory(_tensor_bytes((args, kwargs)), f"the inputs of {name}()")
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise RuntimeError("this deployed model was closed: deploy it again to use it.")
-            args, kwargs = _to_shared(args), _to_shared(kwargs)
-            for rank, conn in enumerate(self._connections):
-                try:
-                    conn.send(("call", name, args, kwargs))
-                except (BrokenPipeError, ConnectionResetError, EOFError):
-                    process = self._processes[rank]
-                    process.join(timeout=1.0)
-                    exitcode = process.exitcode
-                    self._abort()
-                    raise RuntimeError(
-                        f"deployment worker rank {rank} (pid {process.pid}) {_describe_exit(exitcode)}; "
-                        "the other workers were shut down."
-                    ) from None
-            result = self._gather()[0]
+            result = self._workers.call((name, _to_shared(args), _to_shared(kwargs)))[0]
         return _to_ordinary(result)
 
     def close(self) -> None:
         """Stop the workers and release their shared memory. Calls afterwards raise."""
-        self._closed = True
-        finalizer = self.__dict__.get("_finalizer")
-        if finalizer is not None:
-            finalizer()
-        else:
-            _shutdown(self._processes, self._connections, self._lifeline)
-
-    def _abort(self) -> None:
-        """A worker died: the others may wait for it inside a collective, where no command reaches them."""
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-        self.close()
+        workers = self.__dict__.get("_workers")
+        if workers is not None:
+            workers.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        workers = self.__dict__.get("_workers")
+        return workers is None or workers.closed
 
     def __enter__(self) -> DeployedModel:
         return self
@@ -576,7 +336,7 @@ class DeployedModel:
         return value
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"workers {self.worker_pids}"
+        state = "closed" if self.closed else f"workers {self.worker_pids}"
         return f"DeployedModel({self.__dict__.get('_class_name', '?')}, world_size={self.world_size}, {state})"
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import transformers
 
 import oslo
 import oslo.deployment as deployment
+from oslo.launch import free_port
 from tests.distributed import run_distributed
 from tests.helpers import save_reference, tiny_gpt2_config
 from tests.models.zoo import all_cases, compare_outputs
@@ -300,12 +300,6 @@ def test_parent_killed_workers_exit_and_leave_no_shared_memory(gpt2_dir, tmp_pat
     assert not left
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _post(port: int, body: dict) -> dict:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -316,7 +310,7 @@ def _post(port: int, body: dict) -> dict:
 @pytest.mark.timeout(180)
 def test_example_server_answers_concurrent_requests(gpt2_dir):
     directory, reference = gpt2_dir
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "deployment_server.py"), directory, "--tensor-parallel-size", "2",
          "--port", str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oslo.launch import free_port
 from oslo.parallel import ParallelContext
 from oslo.parallel import context as context_module
-from tests.distributed import _free_port, run_distributed
+from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RUNS = 2
@@ -64,7 +65,7 @@ def _replaced_by_the_user(rank, world_size):
     ParallelContext(tensor_parallel_size=world_size)  # oslo initializes the default group
     # The new group meets at a port agreed over the old one: re-using MASTER_PORT lets a fast rank reach the old
     # store (its stale keys) before the slow rank 0 has closed it, and rank 0 then waits for it forever.
-    port = [_free_port() if rank == 0 else None]
+    port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
     # then the user replaces it with one of their own

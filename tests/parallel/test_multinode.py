@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests.distributed import _free_port
+from oslo.launch import free_port
 from tests.helpers import save_reference, tiny_gpt2_config
 from tests.scripts.train_dp import LR, MAX_NORM, STEPS, global_batch
 
@@ -24,7 +24,7 @@ SCRIPT = REPO / "tests" / "scripts" / "train_dp.py"
 def launch_nodes(script_args: list[str], nodes: int = 2, procs_per_node: int = 2, timeout: float = 150) -> None:
     """Start one ``torch.distributed.run`` agent per node (c10d rendezvous on 127.0.0.1) and wait for all;
     kill every agent and fail if one fails or time runs out."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     agents = [
         subprocess.Popen(

@@ -1,0 +1,158 @@
+"""oslo.launch: the one local launcher (run once on every rank, or a group of long-lived ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oslo import launch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _environment(rank, world_size):
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    return {key: os.environ.get(key) for key in keys}, os.environ["MASTER_PORT"], os.getpid()
+
+
+def test_results_come_back_in_rank_order_with_the_launchers_variables():
+    results = launch.run(_environment, 3, timeout=30)
+    assert [environment for environment, _, _ in results] == [
+        {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
+        for r in range(3)]
+    assert len({port for _, port, _ in results}) == 1  # one rendezvous
+    assert len({pid for _, _, pid in results} | {os.getpid()}) == 4  # a process per rank
+
+
+def _all_reduce(rank, world_size, scale, offset=0):
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    return value * scale + offset
+
+
+def test_ranks_form_a_process_group_and_get_their_arguments():
+    results = launch.run(_all_reduce, 2, (10,), {"offset": 1}, timeout=30)
+    assert [value.item() for value in results] == [31.0, 31.0]
+
+
+def _plain(rank, world_size):
+    return [name for name in launch.LAUNCHER_VARIABLES if name in os.environ]
+
+
+def test_plain_processes_have_no_launcher_variables(monkeypatch):
+    monkeypatch.setenv("RANK", "5")  # this process's own: never a plain rank's
+    assert launch.run(_plain, 1, launcher_variables=False, timeout=30) == [[]]
+
+
+def _one_rank_raises(rank, world_size):
+    dist.init_process_group("gloo")
+    if rank == 1:
+        raise ValueError("rank one cannot go on")
+    dist.barrier()  # waits for rank 1 forever: the launcher must end it
+    return rank
+
+
+def test_an_error_names_the_rank_and_the_others_are_not_left_waiting():
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailedError, match=r"^rank 1 failed") as raised:
+        launch.run(_one_rank_raises, 3, timeout=50, grace=2)
+    assert time.monotonic() - start < 30
+    assert raised.value.rank == 1
+    assert "ValueError: rank one cannot go on" in raised.value.text and "Traceback" in raised.value.text
+
+
+def _sleeps(rank, world_size):
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def test_a_timeout_names_the_ranks_that_did_not_finish():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 2 s"):
+        launch.run(_sleeps, 2, timeout=2)
+    assert time.monotonic() - start < 15
+
+
+def _dies(rank, world_size, code):
+    if rank == 0:
+        os._exit(code)
+    return rank
+
+
+def test_lost_ranks_and_a_rank_that_exits_without_a_result():
+    assert launch.run(_dies, 2, (launch.LOST_EXIT,), lost={0}, timeout=30) == [None, 1]
+    with pytest.raises(launch.RankFailedError, match=r"rank 0 failed:\nexited without a result \(exit code 3\)"):
+        launch.run(_dies, 2, (3,), timeout=30)
+    with pytest.raises(launch.RankFailedError, match=r"was to end its process"):
+        launch.run(_dies, 2, (launch.LOST_EXIT,), lost={1}, timeout=30)
+
+
+def _reports(rank, world_size):
+    launch.report(f"hello from {rank}")
+    return rank
+
+
+def test_ranks_report_to_the_launcher_before_their_result():
+    messages = []
+    assert launch.run(_reports, 2, timeout=30, on_message=lambda rank, value: messages.append((rank, value))) == [0, 1]
+    assert sorted(messages) == [(0, "hello from 0"), (1, "hello from 1")]
+
+
+def _counter(rank, world_size, start):
+    dist.init_process_group("gloo")
+    state = {"count": start}
+
+    def handle(command):
+        if command == "fail":
+            if rank == 1:
+                raise KeyError("no such thing")
+            return "fine"
+        if command == "exit" and rank == 1:
+            os._exit(0)
+        state["count"] += 1
+        value = torch.tensor([float(state["count"])])
+        dist.all_reduce(value)
+        return rank, value.item()
+
+    return handle
+
+
+def test_a_group_keeps_its_state_and_survives_an_error_every_rank_answered():
+    with launch.RankGroup(_counter, 2, 10, timeout=30) as group:
+        assert group.call("step") == [(0, 22.0), (1, 22.0)]
+        with pytest.raises(KeyError) as raised:
+            group.call("fail")  # rank 0 answers (its step), rank 1 raises: in step, still usable
+        assert "raised in rank 1" in "".join(raised.value.__notes__)
+        assert group.call("step") == [(0, 24.0), (1, 24.0)]
+        processes = list(group._processes)
+    assert group.closed and not any(process.is_alive() for process in processes)
+
+
+def test_a_rank_that_dies_shuts_the_group_down():
+    group = launch.RankGroup(_counter, 2, 0, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code 0; the others were shut down"):
+        group.call("exit")  # rank 0 waits in its all-reduce for rank 1, which is gone
+    assert time.monotonic() - start < 15
+    assert group.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        group.call("step")
+
+
+def _fails_to_start(rank, world_size):
+    raise OSError(f"rank {rank} has no checkpoint")
+
+
+def test_a_start_error_is_raised_as_its_own_type():
+    with pytest.raises(OSError, match="has no checkpoint"):
+        launch.RankGroup(_fails_to_start, 2, timeout=30)
+
+
+def test_free_port_is_a_port():
+    assert 0 < launch.free_port() < 65536
