@@ -143,16 +143,16 @@ def t5_config(size: str = "small", n_layer: int | None = None, dropout: float = 
 
 def llama_config(size: str = "small", n_layer: int | None = None, dropout: float = 0.0, family: str = "llama",
                  **overrides) -> PretrainedConfig:
-    """A Llama-family config of published Llama shapes (``small``: SmolLM-135M, hidden 576, 30 layers, 9 query
-    heads over 3 key/value heads, MLP 1536, vocab 49152; ``large``: Llama-3.2-1B, hidden 2048, 16 layers, 32
-    heads over 8, MLP 8192, vocab 128256; both with tied embeddings), as ``family``'s config (``qwen2``: biases
-    on q/k/v; ``mistral``: its sliding window, 4096 keys, longer than any sequence here)."""
-    hidden, layers, heads, kv_heads, inner, vocab = {
-        "small": (576, 30, 9, 3, 1536, 49152), "large": (2048, 16, 32, 8, 8192, 128256)}[_size(size)]
+    """A Llama-family config of published Llama shapes (``small``: TinyLlama-1.1B, hidden 2048, 22 layers, 32
+    query heads over 4 key/value heads, MLP 5632, vocab 32000, untied; ``large``: Llama-3.2-1B, hidden 2048, 16
+    layers, 32 heads over 8, MLP 8192, vocab 128256, tied), as ``family``'s config (``qwen2``: biases on q/k/v;
+    ``mistral``: its sliding window, 4096 keys, longer than any sequence here)."""
+    hidden, layers, heads, kv_heads, inner, vocab, tied = {
+        "small": (2048, 22, 32, 4, 5632, 32000, False), "large": (2048, 16, 32, 8, 8192, 128256, True)}[_size(size)]
     values = {
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inner, "num_hidden_layers": n_layer or layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 2048,
-        "tie_word_embeddings": True, "attention_dropout": dropout, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": tied, "attention_dropout": dropout, "bos_token_id": 1, "eos_token_id": 2,
         "pad_token_id": 0,
     }
     values.update(overrides)
