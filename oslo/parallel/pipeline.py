@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from oslo.parallel import failure
-from oslo.parallel.comm import PeerLostError, naming_timeouts
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.errors import PeerLostError, naming_timeouts
 
 logger = logging.getLogger(__name__)
 
