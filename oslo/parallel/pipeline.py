@@ -176,6 +176,11 @@ def stage_plan(ranges: list[range] | None, config: Any = None):
     return _STAGE_PLAN.set(_StagePlan(ranges, config) if ranges is not None else None)
 
 
+def reset_stage_plan(token) -> None:
+    """Make the plan active before :func:`stage_plan` returned ``token`` active again."""
+    _STAGE_PLAN.reset(token)
+
+
 def active_stage_plan() -> _StagePlan | None:
     return _STAGE_PLAN.get()
 
