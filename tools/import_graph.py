@@ -1,7 +1,8 @@
 """oslo's import graph: the import cycles among its modules, and the private names that cross modules.
 
-Usage: ``python tools/import_graph.py`` (from anywhere; standard library only). Exit status 1 if it finds a
-cycle or a private name imported from another module, 0 otherwise.
+Usage: ``python tools/import_graph.py [ROOT]`` (from anywhere; standard library only; ROOT: the directory holding
+``oslo/``, by default this repository). Exit status 1 if it finds a cycle or a private name imported from another
+module, 0 otherwise.
 
 What it counts, reading every ``oslo/**.py`` with :mod:`ast` (nothing is imported):
 
@@ -11,7 +12,8 @@ What it counts, reading every ``oslo/**.py`` with :mod:`ast` (nothing is importe
 * Relative imports are resolved. ``from oslo.a import x`` is an edge to ``oslo.a.x`` when that is a module; when
   ``oslo.a`` is a package whose ``__init__`` re-exports ``x`` from one of its submodules, it is an edge to that
   submodule (the module that defines ``x``), not to the package: otherwise a submodule taking a sibling's name
-  through the package would look like a cycle with the package's ``__init__`` that it does not have. ``import
+  through the package would look like a cycle with the package's ``__init__`` that it does not have (at run time
+  it works when the ``__init__`` imports the defining submodule first, and fails at once otherwise). ``import
   oslo.a`` (or ``from oslo import a``) of a package is an edge to its ``__init__``, which imports what it imports.
   Python runs a package's ``__init__`` before any of its submodules; that implicit step is not an edge.
 * A cycle is a strongly connected component of more than one module, lazy edges included: a lazy import that
@@ -157,11 +159,11 @@ def defining_module(module: str, name: str, readers: dict[str, _Reader], seen: f
     return module
 
 
-def graph(readers: dict[str, _Reader]) -> tuple[list[Edge], list[str]]:
+def graph(readers: dict[str, _Reader], root: Path = ROOT) -> tuple[list[Edge], list[str]]:
     """The edges between oslo modules, and the private names that cross modules (as printable lines)."""
     edges, private = [], []
     for name, reader in readers.items():
-        path = reader.modules[name].relative_to(ROOT)
+        path = reader.modules[name].relative_to(root)
         for module, taken, line, kind in reader.imports:
             target = defining_module(module, taken, readers) if taken else module
             if target != name:
@@ -247,16 +249,16 @@ def shortest_cycle(component: list[str], edges: list[Edge]) -> list[Edge]:
     return []
 
 
-def main() -> int:
-    modules = module_files()
+def main(root: Path = ROOT) -> int:
+    modules = module_files(root)
     readers = read(modules)
-    edges, private = graph(readers)
+    edges, private = graph(readers, root)
     runtime = [e for e in edges if e.kind != "typing"]
     cycles = components(sorted(modules), runtime)
     component_of = {module: i for i, component in enumerate(cycles) for module in component}
 
     def where(edge: Edge) -> str:
-        return f"{modules[edge.source].relative_to(ROOT)}:{edge.line}"
+        return f"{modules[edge.source].relative_to(root)}:{edge.line}"
 
     for component in cycles:
         print(f"cycle among {len(component)} modules: {', '.join(component)}")
@@ -277,4 +279,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT))
