@@ -1059,6 +1059,7 @@ def merged_file_names(count: int, safe_serialization: bool = True) -> list[str]:
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:
+    """Each parameter name of ``model`` that is a tied copy, mapped to the first name of the same parameter."""
     owners: dict[int, str] = {}
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -93,6 +93,12 @@ def _resolve_dtype(dtype, torch_dtype) -> torch.dtype | str | None:
 
 
 def validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: int) -> int:
+    """``pipeline_parallel_size``, checked (with ``micro_batch_size``) for the model class ``cls``.
+
+    Raises:
+        TypeError, ValueError: a size that is not a positive int (:func:`validate_parallel_size`).
+        NotImplementedError: ``cls`` has no pipelines and ``pipeline_parallel_size > 1``.
+    """
     pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
     validate_parallel_size("micro_batch_size", micro_batch_size)
     if pp > 1 and not cls._supports_pipeline_parallel:
