@@ -109,13 +109,14 @@ def _shape(value) -> str:
 
 def _oslo_caller() -> str:
     """``file:function`` of the innermost oslo frame that led to the collective, looking past the
-    generic wrappers of ``mappings.py`` when a caller outside them is on the stack (in forward)."""
+    generic wrappers of ``mappings.py`` and ``collectives.py`` when a caller outside them is on the stack (in
+    forward)."""
     frames = []
     for frame in reversed(traceback.extract_stack()[:-2]):
         match = re.search(r"(oslo/[\w/]+\.py)$", frame.filename.replace("\\", "/"))
         if match:
             frames.append(f"{match.group(1)}:{frame.name}")
-    outside = [f for f in frames if not f.startswith("oslo/parallel/mappings.py")]
+    outside = [f for f in frames if not f.startswith(("oslo/parallel/mappings.py", "oslo/parallel/collectives.py"))]
     return outside[0] if outside else frames[-1] if frames else "?"
 
 

@@ -157,7 +157,7 @@ def _install_trace(trace: list) -> None:
     The library's reads are zero-copy views into the mmap'ed file: pages are faulted in when the
     view is copied into the parameter, after ``read`` returns. The trace touches the view
     (``sum``) so that the pages a read costs are counted on that read, not the next one."""
-    original = oslo_checkpoint._TensorSource.read
+    original = oslo_checkpoint.TensorSource.read
 
     def read(self, key, dim=None, start=0, stop=None):
         value = original(self, key, dim, start, stop)
@@ -166,7 +166,7 @@ def _install_trace(trace: list) -> None:
         trace.append((key, dim, tuple(value.shape), value.numel() * value.element_size(), status))
         return value
 
-    oslo_checkpoint._TensorSource.read = read
+    oslo_checkpoint.TensorSource.read = read
 
 
 def load_rank(rank: int, world_size: int, directory: str, trace_enabled: bool) -> dict:

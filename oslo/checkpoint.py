@@ -9,7 +9,7 @@ Two formats:
   tensors, plus ``model_parallel.index.json`` recording the layout, global shapes, dtypes and which
   tensors each file holds. At the layout that saved it each rank reads only its own file; at any other
   layout (or stage partition) each rank reads the slices of the saved files that make up its own
-  (:class:`_SplitSource`). The original OSLO's split files (``pytorch_model_tp_0_pp_0.bin``,
+  (:class:`SplitSource`). The original OSLO's split files (``pytorch_model_tp_0_pp_0.bin``,
   ``pytorch_model_tp=0_pp=0.bin``, without an index) load through the same path once
   :func:`complete_legacy_index` has described them.
 
@@ -18,7 +18,7 @@ Every weight operation goes through the :class:`~oslo.parallel.plan.ShardSpec` o
 Files carry their identity: the split index records each file's ranks, size and SHA-256 (and each split
 safetensors header its ranks); a merged save records its files' sizes and SHA-256 in ``oslo_checkpoint.json``.
 Loading verifies them before any weight is used. Saving is staged beside the target directory and switched in
-atomically (see :class:`_Save`).
+atomically (see :class:`StagedSave`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local_named_parameters
-from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
+from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs, specs_by_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +55,16 @@ WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 MANIFEST_NAME = "oslo_checkpoint.json"  # sizes and SHA-256 of a merged save's files
 # A split file's ranks, in oslo's names and in the original OSLO's (``pytorch_model_tp_0_pp_0.bin``).
-_SPLIT_RANKS_RE = re.compile(r"^(?:model|pytorch_model)_tp[=_](\d+)_pp[=_](\d+)\.(?:safetensors|bin)$")
+SPLIT_RANKS_RE = re.compile(r"^(?:model|pytorch_model)_tp[=_](\d+)_pp[=_](\d+)\.(?:safetensors|bin)$")
 _MERGED_FILE_RE = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin|"
     r"model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json)$"
 )
 # Weight files a save replaces: a directory holds one checkpoint (split or merged) at a time.
-_OWNED_FILE_RE = re.compile(
-    f"{_SPLIT_RANKS_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$|^{re.escape(MANIFEST_NAME)}$"
+OWNED_FILE_RE = re.compile(
+    f"{SPLIT_RANKS_RE.pattern}|{_MERGED_FILE_RE.pattern}|^{re.escape(SPLIT_INDEX_NAME)}$|^{re.escape(MANIFEST_NAME)}$"
 )
-_LEGACY_STAGING_NAME = ".oslo-saving"  # earlier oslo versions staged inside the target: never carried over
+LEGACY_STAGING_NAME = ".oslo-saving"  # earlier oslo versions staged inside the target: never carried over
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -111,7 +111,7 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
     """
     if not os.path.isdir(directory):
         raise FileNotFoundError(
-            f"checkpoint directory {directory!r} does not exist. {_interrupted_save(directory)}Pass the path of "
+            f"checkpoint directory {directory!r} does not exist. {interrupted_save(directory)}Pass the path of "
             "a directory holding config.json and the weights (model.safetensors, pytorch_model.bin, or a split "
             "checkpoint written by save_pretrained_with_parallel)."
         )
@@ -147,7 +147,7 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
     for name, kind in ((SAFE_WEIGHTS_NAME, "safetensors"), (WEIGHTS_NAME, "bin")):
         if os.path.isfile(path(name)):
             return Checkpoint(directory, kind, [name], manifest=manifest)
-    legacy = sorted(name for name in os.listdir(directory) if _SPLIT_RANKS_RE.match(name))
+    legacy = sorted(name for name in os.listdir(directory) if SPLIT_RANKS_RE.match(name))
     if legacy:
         return Checkpoint(directory, "split", legacy, legacy=True)
     raise FileNotFoundError(
@@ -156,7 +156,7 @@ def inspect_checkpoint(directory: str) -> Checkpoint:
     )
 
 
-def _interrupted_save(directory: str) -> str:
+def interrupted_save(directory: str) -> str:
     """What the leftovers of an interrupted save beside ``directory`` hold ("" if there are none)."""
     staging, aside = _save_paths(os.path.realpath(directory))[1:]
     if os.path.isdir(aside):
@@ -183,9 +183,9 @@ def _require_files(directory: str, files: list[str], index_name: str) -> None:
         )
 
 
-def _file_ranks(name: str) -> tuple[int, int]:
+def file_ranks(name: str) -> tuple[int, int]:
     """(tensor-parallel rank, pipeline-parallel rank) of a split file, from its name."""
-    found = _SPLIT_RANKS_RE.match(name)
+    found = SPLIT_RANKS_RE.match(name)
     return int(found.group(1)), int(found.group(2))
 
 
@@ -200,9 +200,7 @@ def complete_legacy_index(checkpoint: Checkpoint, model_class: type, config) -> 
     """
     if not checkpoint.legacy or checkpoint.split_index is not None:
         return
-    from oslo.conversion import _specs_by_name  # noqa: PLC0415 - conversion imports this module
-
-    ranks = {_file_ranks(name): name for name in checkpoint.files}
+    ranks = {file_ranks(name): name for name in checkpoint.files}
     tp = 1 + max(t for t, _ in ranks)
     pp = 1 + max(p for _, p in ranks)
     absent = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in ranks]
@@ -212,17 +210,17 @@ def complete_legacy_index(checkpoint: Checkpoint, model_class: type, config) -> 
             f"tensor_parallel_size={tp}, pipeline_parallel_size={pp} from their names, but the files of (tp, pp) "
             f"ranks {absent} are missing."
         )
-    model, specs = _specs_by_name(model_class, config, tp, 0)
+    model, specs = specs_by_name(model_class, config, tp, 0)
     prefix = getattr(model, "base_model_prefix", "")
     shapes = {name: tuple(param.shape) for name, param in model.named_parameters(remove_duplicate=False)}
     tensors, files = {}, {}
     for (t, _), name in sorted(ranks.items()):
-        source = _TensorSource(checkpoint.directory, [name], "bin" if name.endswith(".bin") else "safetensors")
+        source = TensorSource(checkpoint.directory, [name], "bin" if name.endswith(".bin") else "safetensors")
         files[name] = sorted(source.keys())
         if t != 0:
             continue
         for key in sorted(source.keys()):
-            param = _resolve_key(key, set(specs), prefix)
+            param = resolve_key(key, set(specs), prefix)
             if param is None:
                 raise ValueError(f"{os.path.join(checkpoint.directory, name)} holds {key!r}, which is no parameter "
                                  f"of {model_class.__name__}: load it with the class that saved it.")
@@ -243,7 +241,7 @@ def complete_legacy_index(checkpoint: Checkpoint, model_class: type, config) -> 
                               "pipeline_parallel_size": pp, "tensors": tensors, "files": files, "tied": {}}
 
 
-class _TensorSource:
+class TensorSource:
     """Lazy access to the tensors of a list of safetensors or torch files.
 
     safetensors files are opened (memory-mapped) per read and closed right after: a column slice of a
@@ -296,7 +294,7 @@ class _TensorSource:
 
 
 class _MemorySource:
-    """The :class:`_TensorSource` interface over an in-memory state dict of full tensors (``oslo.initialize``)."""
+    """The :class:`TensorSource` interface over an in-memory state dict of full tensors (``oslo.initialize``)."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
         self._tensors = state_dict
@@ -317,8 +315,8 @@ class _MemorySource:
         return tensor.narrow(dim, start, stop - start)
 
 
-class _SplitSource:
-    """The :class:`_TensorSource` interface over a whole split checkpoint, at its global (unsplit) shapes: a read
+class SplitSource:
+    """The :class:`TensorSource` interface over a whole split checkpoint, at its global (unsplit) shapes: a read
     of rows ``[start, stop)`` along a tensor's split dimension reads, from each saved rank's file, only the part
     of its slice that falls in them. Loading at another layout or stage partition, and resharding, go through it.
     Files are opened on first use."""
@@ -329,19 +327,19 @@ class _SplitSource:
         self._tp = index["tensor_parallel_size"]
         self._tensors = index["tensors"]
         self._tied: dict[str, str] = index.get("tied") or {}  # {copy: source}
-        self._names = {_file_ranks(name): name for name in checkpoint.files}
+        self._names = {file_ranks(name): name for name in checkpoint.files}
         self._stage: dict[str, int] = {}
         for name, keys in sorted(index["files"].items()):
-            tp_rank, stage = _file_ranks(name)
+            tp_rank, stage = file_ranks(name)
             if tp_rank == 0:
                 for key in keys:
                     self._stage.setdefault(key, stage)
-        self._files: dict[tuple[int, int], _TensorSource] = {}
+        self._files: dict[tuple[int, int], TensorSource] = {}
 
-    def _file(self, tp_rank: int, stage: int) -> _TensorSource:
+    def _file(self, tp_rank: int, stage: int) -> TensorSource:
         if (tp_rank, stage) not in self._files:
             name = self._names[(tp_rank, stage)]
-            self._files[(tp_rank, stage)] = _TensorSource(self._directory, [name], "split")
+            self._files[(tp_rank, stage)] = TensorSource(self._directory, [name], "split")
         return self._files[(tp_rank, stage)]
 
     def keys(self) -> set[str]:
@@ -479,7 +477,7 @@ def _verify_file(directory: str, name: str, records: dict[str, dict], recorded_i
     )
 
 
-def _verify_split_file(checkpoint: Checkpoint, name: str, tensor_parallel_rank: int, pipeline_parallel_rank: int):
+def verify_split_file(checkpoint: Checkpoint, name: str, tensor_parallel_rank: int, pipeline_parallel_rank: int):
     """Check that this rank's split file is the one the index describes (indexes of version 1 record nothing)."""
     records = checkpoint.split_index.get("digests")
     if not records:
@@ -498,7 +496,7 @@ def _verify_split_file(checkpoint: Checkpoint, name: str, tensor_parallel_rank: 
     _verify_file(checkpoint.directory, name, records, SPLIT_INDEX_NAME)
 
 
-def _verify_merged_files(checkpoint: Checkpoint, context: ParallelContext) -> None:
+def verify_merged_files(checkpoint: Checkpoint, context: ParallelContext) -> None:
     """Check the files of a merged oslo save against its manifest, each file on one rank (rank ``r`` hashes
     every ``world_size``-th file from the ``r``-th). A manifest that no longer describes the weights (rewritten
     by another program, e.g. transformers' ``save_pretrained``) is skipped with a warning."""
@@ -523,7 +521,7 @@ def _verify_merged_files(checkpoint: Checkpoint, context: ParallelContext) -> No
         _verify_file(checkpoint.directory, name, records, MANIFEST_NAME)
 
 
-def _resolve_key(name: str, keys: set[str], prefix: str) -> str | None:
+def resolve_key(name: str, keys: set[str], prefix: str) -> str | None:
     """Checkpoint key of parameter ``name``, allowing for the base-model prefix being on one side only."""
     if name in keys:
         return name
@@ -542,7 +540,7 @@ def checkpoint_dtype(checkpoint: Checkpoint) -> torch.dtype | None:
             if dtype.is_floating_point:
                 return dtype
         return None
-    source = _TensorSource(checkpoint.directory, checkpoint.files[:1], checkpoint.kind)
+    source = TensorSource(checkpoint.directory, checkpoint.files[:1], checkpoint.kind)
     for key in sorted(source.keys()):
         if source.dtype(key).is_floating_point:
             return source.dtype(key)
@@ -597,17 +595,17 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
     own = _own_split_file(model, checkpoint, prefix, twins) if checkpoint.kind == "split" and not allow_vocab_resize \
         else None
     if own is not None:  # saved at this layout and partition: this rank's file holds its tensors as they are
-        _verify_split_file(checkpoint, own, context.tensor_parallel_rank, context.pipeline_parallel_rank)
-        source = _TensorSource(checkpoint.directory, [own], "split")
+        verify_split_file(checkpoint, own, context.tensor_parallel_rank, context.pipeline_parallel_rank)
+        source = TensorSource(checkpoint.directory, [own], "split")
     elif checkpoint.kind == "split":  # another layout: read this rank's slices out of the saved ones
         for name in checkpoint.files[context.rank :: context.world_size]:
-            _verify_split_file(checkpoint, name, *_file_ranks(name))
-        source = _SplitSource(checkpoint)
+            verify_split_file(checkpoint, name, *file_ranks(name))
+        source = SplitSource(checkpoint)
     elif checkpoint.kind == "memory":
         source = _MemorySource(checkpoint.state_dict)
     else:
-        _verify_merged_files(checkpoint, context)
-        source = _TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
+        verify_merged_files(checkpoint, context)
+        source = TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
     keys = source.keys()
     used, missing = set(), []
 
@@ -615,9 +613,9 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
         for name, param in local_named_parameters(model):
             spec = specs[name]
             global_shape = spec.global_shape(param.shape) if spec is not None else tuple(param.shape)
-            key = _resolve_key(name, keys, prefix)
+            key = resolve_key(name, keys, prefix)
             if key is None and name in twins:  # lm_head.weight on the last stage: read the tied wte
-                key = _resolve_key(twins[name], keys, prefix)
+                key = resolve_key(twins[name], keys, prefix)
             if key is None:
                 missing.append(name)
                 value = init_missing(name, spec, global_shape)
@@ -635,7 +633,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
 
 def _own_split_file(model, checkpoint: Checkpoint, prefix: str, twins: dict[str, str]) -> str | None:
     """This rank's file of a split checkpoint saved at the model's layout, if it holds every tensor of the rank
-    (else ``None``: another layout, or another assignment of layers to stages, reads through :class:`_SplitSource`)."""
+    (else ``None``: another layout, or another assignment of layers to stages, reads through :class:`SplitSource`)."""
     context: ParallelContext = model.parallel_context
     if checkpoint.legacy or checkpoint.layout != (context.tensor_parallel_size, context.pipeline_parallel_size):
         return None
@@ -643,7 +641,7 @@ def _own_split_file(model, checkpoint: Checkpoint, prefix: str, twins: dict[str,
                           checkpoint.files[0].endswith(".safetensors"))
     held = set(checkpoint.split_index["files"].get(own, ()))
     for name, _ in local_named_parameters(model):
-        if _resolve_key(name, held, prefix) is None and _resolve_key(twins.get(name, name), held, prefix) is None:
+        if resolve_key(name, held, prefix) is None and resolve_key(twins.get(name, name), held, prefix) is None:
             return None
     return own
 
@@ -743,13 +741,13 @@ def _carry_over(target: str, staging: str) -> None:
     shutil.copymode(target, staging)
     for entry in os.scandir(target):
         destination = os.path.join(staging, entry.name)
-        if entry.name == _LEGACY_STAGING_NAME or os.path.lexists(destination):
+        if entry.name == LEGACY_STAGING_NAME or os.path.lexists(destination):
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), destination)
         elif entry.is_dir():
             shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
-        elif not _OWNED_FILE_RE.match(entry.name):
+        elif not OWNED_FILE_RE.match(entry.name):
             _link_or_copy(entry.path, destination)
 
 
@@ -758,7 +756,7 @@ def _write_json(path: str, value: dict) -> None:
         json.dump(value, f, indent=2, sort_keys=True)
 
 
-class _Save:
+class StagedSave:
     """One save to ``directory``: staged beside it, published atomically by rank 0.
 
     Every rank writes into ``<parent>/.<name>.oslo-saving``, and every step ends with an agreement of all ranks
@@ -987,7 +985,7 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
     entries = list(_saved_parameters(model))
     everything = _pipeline_entries(model, entries)
     tp, pp = context.tensor_parallel_rank, context.pipeline_parallel_rank
-    save = _Save(context, directory)
+    save = StagedSave(context, directory)
 
     def write() -> dict:
         if context.data_parallel_rank != 0:
@@ -1009,7 +1007,7 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
             for p in range(context.pipeline_parallel_size)
             for t in range(context.tensor_parallel_size)
         }
-        tied = _tied_keys(model)  # ties within rank 0's stage, and those across stages:
+        tied = tied_keys(model)  # ties within rank 0's stage, and those across stages:
         families = model._tie_families() if hasattr(model, "_tie_families") else {}
         sources = {target: source for source, targets in families.items() for target in targets}
         tied.update({e.name: sources[e.name] for e in everything if e.tied_copy})
@@ -1060,7 +1058,8 @@ def merged_file_names(count: int, safe_serialization: bool = True) -> list[str]:
     return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
 
 
-def _tied_keys(model: nn.Module) -> dict[str, str]:
+def tied_keys(model: nn.Module) -> dict[str, str]:
+    """Each parameter name of ``model`` that is a tied copy, mapped to the first name of the same parameter."""
     owners: dict[int, str] = {}
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -1095,7 +1094,7 @@ def save_merged(
     names = merged_file_names(len(shards), safe_serialization)
     first_tp = context.tensor_parallel_global_rank(0)
     writer = context.pipeline_parallel_global_rank(0) if context.tensor_parallel_rank == 0 else None
-    save = _Save(context, directory)
+    save = StagedSave(context, directory)
     save_id = uuid.uuid4().hex  # rank 0's is the one written
 
     def write() -> dict:

@@ -16,57 +16,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from oslo.checkpoint import _resolve_key
-from oslo.parallel.context import ParallelContext, validate_parallel_size
-from oslo.parallel.plan import ShardSpec, parameter_specs
+from oslo.checkpoint import resolve_key
+from oslo.models import oslo_class
+from oslo.parallel.context import validate_parallel_size
+from oslo.parallel.plan import ShardSpec, specs_by_name
 
 __all__ = ["convert_state_dict"]
-
-
-def _oslo_class(model_or_config) -> tuple[type, PretrainedConfig]:
-    import oslo.models as models  # noqa: PLC0415 - oslo.models imports this package's siblings
-
-    if isinstance(model_or_config, type) and issubclass(model_or_config, models.OsloPreTrainedModel):
-        raise TypeError(
-            "convert_state_dict needs the model's config too: pass a config (its `architectures` naming the "
-            f"class, e.g. {model_or_config.__name__!r}) or a model instance."
-        )
-    if isinstance(model_or_config, nn.Module):
-        config, name = model_or_config.config, type(model_or_config).__name__
-    elif isinstance(model_or_config, PretrainedConfig):
-        config = model_or_config
-        names = getattr(config, "architectures", None) or []
-        if not names:
-            raise ValueError(
-                "convert_state_dict got a config without `architectures`, so the model class is unknown: set "
-                "config.architectures = ['GPT2LMHeadModel'] (the class the state dict belongs to), or pass the "
-                "model itself."
-            )
-        name = names[0]
-    else:
-        raise TypeError(f"model_or_config must be a transformers/oslo model or a PretrainedConfig, not "
-                        f"{type(model_or_config).__name__}")
-    cls = getattr(models, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, models.OsloPreTrainedModel)):
-        supported = sorted(n for n in models.__all__ if isinstance(getattr(models, n), type)
-                           and issubclass(getattr(models, n), models.OsloPreTrainedModel)
-                           and not n.endswith("PreTrainedModel"))
-        raise ValueError(f"oslo has no parallel class {name!r}; the supported classes are {supported}")
-    return cls, config
-
-
-def _specs_by_name(cls: type, config: PretrainedConfig, tensor_parallel_size: int, rank: int):
-    context = ParallelContext.planning()
-    context.tensor_parallel_size, context.tensor_parallel_rank = tensor_parallel_size, rank
-    cls._validate_parallel_config(config, tensor_parallel_size)
-    with torch.device("meta"):
-        model = cls(config, parallel_context=context)
-    by_param = {}
-    named = dict(model.named_parameters())
-    for name, spec in parameter_specs(model).items():
-        by_param[id(named[name])] = spec
-    specs = {name: by_param[id(param)] for name, param in model.named_parameters(remove_duplicate=False)}
-    return model, specs
 
 
 def convert_state_dict(
@@ -98,14 +53,14 @@ def convert_state_dict(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tensor_parallel_size:
         raise ValueError(f"rank must be an int in [0, {tensor_parallel_size}) for tensor_parallel_size="
                          f"{tensor_parallel_size}, got {rank!r}")
-    cls, config = _oslo_class(model_or_config)
-    model, specs = _specs_by_name(cls, config, tensor_parallel_size, rank)
+    cls, config = oslo_class(model_or_config)
+    model, specs = specs_by_name(cls, config, tensor_parallel_size, rank)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     prefix = getattr(model, "base_model_prefix", "")
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     out, unknown, names = {}, [], set(specs)
     for key, tensor in state_dict.items():
-        name = _resolve_key(key, names, prefix)  # with or without the base-model prefix
+        name = resolve_key(key, names, prefix)  # with or without the base-model prefix
         if name is None:
             if not any(p.search(key) for p in ignore):
                 unknown.append(key)

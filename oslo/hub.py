@@ -41,8 +41,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from oslo import checkpoint as ckpt
-from oslo.parallel.comm import naming_timeouts
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.errors import naming_timeouts
 
 try:  # huggingface_hub >= 2: the repository's file list as the last download saw it (no network)
     from huggingface_hub import get_cached_repo_tree
@@ -69,7 +69,7 @@ def is_hub_name(name_or_path: str | os.PathLike) -> bool:
         validate_repo_id(path)
     except HFValidationError:
         return False
-    return not ckpt._interrupted_save(path)
+    return not ckpt.interrupted_save(path)
 
 
 def resolve_checkpoint(
@@ -221,7 +221,7 @@ def _choose_weights(names: list[str]) -> tuple[str | None, list[str]]:
             return index, manifest
         if single in present:
             return None, [single, *manifest]
-    return None, [name for name in sorted(names) if ckpt._SPLIT_RANKS_RE.match(name)]  # the original OSLO's, no index
+    return None, [name for name in sorted(names) if ckpt.SPLIT_RANKS_RE.match(name)]  # the original OSLO's, no index
 
 
 def _index_files(path: str, index: str, names: list[str]) -> list[str]:
@@ -234,7 +234,7 @@ def _index_files(path: str, index: str, names: list[str]) -> list[str]:
         return sorted({str(name) for name in files})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         if index == ckpt.SPLIT_INDEX_NAME:
-            return [name for name in sorted(names) if ckpt._SPLIT_RANKS_RE.match(name)]
+            return [name for name in sorted(names) if ckpt.SPLIT_RANKS_RE.match(name)]
         return [name for name in sorted(names) if fnmatch.fnmatchcase(name, _SHARD_PATTERNS[index])]
 
 

@@ -30,8 +30,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PretrainedConfig, PreTrainedModel
 
-from oslo.conversion import _oslo_class
-from oslo.models.base import OsloPreTrainedModel, _validate_pipeline_size
+from oslo.models import oslo_class, supported_classes
+from oslo.models.base import OsloPreTrainedModel, validate_pipeline_size
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 
 __all__ = ["initialize"]
@@ -93,7 +93,7 @@ def initialize(model: nn.Module, config: Mapping | str | os.PathLike) -> nn.Modu
         return model
     tensor_parallel_size, pipeline_parallel_size = layout
     cls, model_config = _parallel_class(model)
-    _validate_pipeline_size(cls, pipeline_parallel_size, 1)
+    validate_pipeline_size(cls, pipeline_parallel_size, 1)
     named = list(model.named_parameters(remove_duplicate=False))
     if model in _CONSUMED:
         raise ValueError(
@@ -199,13 +199,6 @@ def _refuse_unknown_keys(values: Mapping, known: tuple[str, ...], where: str, pr
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
-def _supported_classes() -> list[str]:
-    import oslo.models as models  # noqa: PLC0415 - the same list oslo.conversion's error gives
-
-    return sorted(name for name in models.__all__ if isinstance(getattr(models, name), type)
-                  and issubclass(getattr(models, name), OsloPreTrainedModel) and not name.endswith("PreTrainedModel"))
-
-
 def _parallel_class(model: nn.Module) -> tuple[type, PretrainedConfig]:
     """The oslo class for ``model`` and the model's config; raises (listing the classes oslo has) otherwise."""
     if isinstance(model, OsloPreTrainedModel):
@@ -217,10 +210,10 @@ def _parallel_class(model: nn.Module) -> tuple[type, PretrainedConfig]:
         raise ValueError(
             f"oslo.initialize parallelizes transformers models of the classes oslo has; got a "
             f"{type(model).__module__}.{type(model).__name__}, which is no transformers PreTrainedModel. The "
-            f"supported classes are {_supported_classes()}."
+            f"supported classes are {supported_classes()}."
         )
     try:
-        cls, config = _oslo_class(model)
+        cls, config = oslo_class(model)
     except ValueError as exc:
         raise ValueError(f"oslo.initialize cannot parallelize this model: {exc}") from exc
     import transformers  # noqa: PLC0415 - the lazy module: resolve one class only
@@ -230,7 +223,7 @@ def _parallel_class(model: nn.Module) -> tuple[type, PretrainedConfig]:
         raise ValueError(
             f"oslo.initialize cannot parallelize this {type(model).__module__}.{type(model).__name__}: it is not "
             f"transformers' {cls.__name__} with a {cls.config_class.__name__}, whose parallel version oslo has. "
-            f"The supported classes are {_supported_classes()}."
+            f"The supported classes are {supported_classes()}."
         )
     return cls, config
 

@@ -32,7 +32,10 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
+from oslo.checkpoint import StagedSave
 from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, unblock, undistribute_parameters
+from oslo.parallel.errors import naming_timeouts
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -166,8 +169,6 @@ def _make_class():
         @property
         def _oslo_kind(self) -> str:
             """``"column"``, ``"row"``, or ``"replicated"`` (an ``nn.Linear`` of a model of several processes)."""
-            from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
-
             base = self.get_base_layer()
             return COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
                 else "replicated"
@@ -279,8 +280,6 @@ def _make_class():
 def _check_layout(model) -> None:
     """Before PEFT touches an oslo model: tell each of its linear layers the model's parallel context
     (:class:`ParallelLoraLinear` reads it)."""
-    from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     context = getattr(model, "parallel_context", None)
     if context is None:
         return
@@ -306,8 +305,6 @@ def _whole_adapter(state: dict, model) -> dict:
         return state
     import torch.distributed as dist
 
-    from oslo.parallel.comm import naming_timeouts
-
     stages: list[dict | None] = [None] * context.pipeline_parallel_size
     with naming_timeouts(context, "gathering the adapter of every pipeline stage to save it",
                          "every rank calls save_pretrained (is_main_process=rank == 0 writes)",
@@ -323,8 +320,6 @@ def _whole_adapter(state: dict, model) -> dict:
 def _dispatch(target, adapter_name, config, **kwargs):
     """PEFT's dispatcher signature: a LoRA module for an oslo linear layer, or ``None`` for anything else."""
     from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if isinstance(base, torch.nn.Linear):  # replicated: oslo's LoRA once its weight is a DTensor, else PEFT's
@@ -407,10 +402,8 @@ def _install_copies_and_saves() -> None:
         model = _oslo_model(self)
         if model is None:
             return save_pretrained(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
-        from oslo.checkpoint import _Save
-
         context = model.parallel_context
-        save = _Save(context, os.fspath(save_directory))
+        save = StagedSave(context, os.fspath(save_directory))
         save.step(lambda: save_pretrained(self, save.staging, *args,
                                           is_main_process=is_main_process and context.rank == 0, **kwargs),
                   "saving the adapter to")

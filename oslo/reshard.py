@@ -24,7 +24,7 @@ from transformers import AutoConfig
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
-from oslo.conversion import _oslo_class
+from oslo.models import oslo_class
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.dtensor import local_named_parameters
 from oslo.parallel.plan import parameter_specs
@@ -93,31 +93,31 @@ def reshard_checkpoint(
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise FileNotFoundError(f"{source!r} has no config.json: resharding needs the model's config (its "
                                 "`architectures` name the class). Copy the model's config.json into it.")
-    cls, config = _oslo_class(AutoConfig.from_pretrained(source))
+    cls, config = oslo_class(AutoConfig.from_pretrained(source))
     if pp > 1 and not cls._supports_pipeline_parallel:
         raise ValueError(f"{cls.__name__} does not support pipeline parallelism: use pipeline_parallel_size=1.")
     ckpt.complete_legacy_index(checkpoint, cls, config)
     context = ParallelContext.planning()
     if checkpoint.kind == "split":
         for name in checkpoint.files:
-            ckpt._verify_split_file(checkpoint, name, *ckpt._file_ranks(name))
-        reader = ckpt._SplitSource(checkpoint)
+            ckpt.verify_split_file(checkpoint, name, *ckpt.file_ranks(name))
+        reader = ckpt.SplitSource(checkpoint)
     else:
-        ckpt._verify_merged_files(checkpoint, context)
-        reader = ckpt._TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
+        ckpt.verify_merged_files(checkpoint, context)
+        reader = ckpt.TensorSource(checkpoint.directory, checkpoint.files, checkpoint.kind)
     dtype = _global_dtype(checkpoint, config)
     stages = [_planned_stage(cls, config, tp, pp, stage) for stage in range(pp)]
     files = _plan_files(stages, reader, dtype, tp, merged, max_shard_size)
     total = sum(nbytes for entries in files.values() for *_, nbytes in entries)
-    save = ckpt._Save(context, destination)
+    save = ckpt.StagedSave(context, destination)
 
     def write() -> dict:
         digests = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc="resharding", disable=not progress) as bar:
             for name, entries in files.items():
                 metadata = ({"oslo_save_id": save_id} if merged else
-                            {"oslo_tensor_parallel_rank": str(ckpt._file_ranks(name)[0]),
-                             "oslo_pipeline_parallel_rank": str(ckpt._file_ranks(name)[1])})
+                            {"oslo_tensor_parallel_rank": str(ckpt.file_ranks(name)[0]),
+                             "oslo_pipeline_parallel_rank": str(ckpt.file_ranks(name)[1])})
                 digests[name] = ckpt.write_safetensors(save.path(name), [
                     (key, kind, shape, _progressing(make, bar, nbytes)) for key, kind, shape, make, nbytes in entries
                 ], metadata)
@@ -163,9 +163,9 @@ def _plan_files(stages, reader, dtype, tp, merged, max_shard_size) -> dict[str, 
             for name, param in local_named_parameters(model):
                 if merged and name in copies:
                     continue
-                key = ckpt._resolve_key(name, keys, prefix)
+                key = ckpt.resolve_key(name, keys, prefix)
                 if key is None and name in twins:
-                    key = ckpt._resolve_key(twins[name], keys, prefix)
+                    key = ckpt.resolve_key(twins[name], keys, prefix)
                 if key is None:
                     missing.append(name)
                     continue
@@ -211,7 +211,7 @@ def _copy_other_files(source: str, staging: str) -> None:
     """The source's files that are not weights or their indexes (a tokenizer, a README) go along."""
     for entry in os.scandir(source):
         target = os.path.join(staging, entry.name)
-        if (ckpt._OWNED_FILE_RE.match(entry.name) or entry.name in ("config.json", ckpt._LEGACY_STAGING_NAME)
+        if (ckpt.OWNED_FILE_RE.match(entry.name) or entry.name in ("config.json", ckpt.LEGACY_STAGING_NAME)
                 or os.path.lexists(target)):
             continue
         if entry.is_dir(follow_symlinks=False):
@@ -221,7 +221,7 @@ def _copy_other_files(source: str, staging: str) -> None:
 
 
 def _write_split_index(save, stages, files, digests, tp, pp, dtype) -> None:
-    tensors, names, tied = {}, {}, ckpt._tied_keys(stages[0])
+    tensors, names, tied = {}, {}, ckpt.tied_keys(stages[0])
     for stage, model in enumerate(stages):
         specs = parameter_specs(model)
         sources = {target: source for source, targets in model._tie_families().items() for target in targets}
@@ -238,7 +238,7 @@ def _write_split_index(save, stages, files, digests, tp, pp, dtype) -> None:
             }
             if name in copies:
                 tied[name] = sources[name]
-    ranks = {name: dict(zip(("tensor_parallel_rank", "pipeline_parallel_rank"), ckpt._file_ranks(name), strict=True))
+    ranks = {name: dict(zip(("tensor_parallel_rank", "pipeline_parallel_rank"), ckpt.file_ranks(name), strict=True))
              for name in digests}
     ckpt.write_split_index(save.path(ckpt.SPLIT_INDEX_NAME), tp, pp, tensors, names,
                            {name: {**ranks[name], **digest} for name, digest in digests.items()}, tied)

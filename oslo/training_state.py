@@ -28,7 +28,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from oslo.checkpoint import _Save
+from oslo.checkpoint import StagedSave
 
 __all__ = ["load_training_state", "save_training_state"]
 
@@ -117,7 +117,7 @@ def save_training_state(directory: str | os.PathLike, model: nn.Module, optimize
             :func:`load_training_state`.
     """
     state = _state(model, optimizer, scheduler, step, extra)
-    save = _Save(model.parallel_context, os.fspath(directory))
+    save = StagedSave(model.parallel_context, os.fspath(directory))
     save.step(lambda: dcp.save(state, checkpoint_id=save.staging), "saving the training state to")
     save.publish()
 

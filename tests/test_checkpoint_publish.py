@@ -123,7 +123,7 @@ def test_killed_save_leaves_old_or_new_checkpoint(old_checkpoints, references, t
     assert _leftovers(tmp_path) == []
     assert _which(run_distributed(_oslo_weights, 2, str(target), timeout=60)[0], references) == "new"
     assert _user_files_intact(target)
-    owned = sorted(n for n in os.listdir(target) if ckpt._OWNED_FILE_RE.match(n))
+    owned = sorted(n for n in os.listdir(target) if ckpt.OWNED_FILE_RE.match(n))
     assert all(("_tp=" in n) != merged for n in owned if n.endswith(".safetensors")), owned  # no stale format
 
 
@@ -162,9 +162,9 @@ def test_kill_between_renames_never_mixes(old_checkpoints, references, tmp_path,
         assert "exited without a result" in str(error)
     found = _which(run_distributed(_oslo_weights, 2, str(target), timeout=60)[0], references)
     assert found in ("old", "new")
-    owned = sorted(n for n in os.listdir(target) if ckpt._OWNED_FILE_RE.match(n))
+    owned = sorted(n for n in os.listdir(target) if ckpt.OWNED_FILE_RE.match(n))
     if found == "old":
-        assert owned == [n for n in old_files if ckpt._OWNED_FILE_RE.match(n)]
+        assert owned == [n for n in old_files if ckpt.OWNED_FILE_RE.match(n)]
     elif merged:  # only the merged files: no split index left to take precedence for oslo
         assert owned == ["model.safetensors", ckpt.MANIFEST_NAME]
         assert _transformers_which(str(target), references) == "new"

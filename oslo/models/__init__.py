@@ -1,4 +1,12 @@
-"""oslo's parallel model classes, one architecture per file."""
+"""oslo's parallel model classes, one architecture per file; :func:`oslo_class` finds the one a model or config
+names."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+from transformers import PretrainedConfig
 
 from oslo.models.base import OsloPreTrainedModel
 from oslo.models.bert import (
@@ -161,3 +169,44 @@ __all__ = [
     "T5PreTrainedModel",
     "T5Stack",
 ]
+
+
+def supported_classes() -> list[str]:
+    """The names of oslo's model classes (the architectures' own, not their ``...PreTrainedModel`` bases)."""
+    module = sys.modules[__name__]
+    return sorted(name for name in __all__ if isinstance(getattr(module, name), type)
+                  and issubclass(getattr(module, name), OsloPreTrainedModel) and not name.endswith("PreTrainedModel"))
+
+
+def oslo_class(model_or_config) -> tuple[type, PretrainedConfig]:
+    """The oslo class of a model (a transformers or oslo instance) or of a config (its ``architectures``), and
+    the config.
+
+    Raises:
+        TypeError: ``model_or_config`` is a class, or neither a model nor a config.
+        ValueError: a config without ``architectures``, or a class oslo does not have.
+    """
+    if isinstance(model_or_config, type) and issubclass(model_or_config, OsloPreTrainedModel):
+        raise TypeError(
+            "convert_state_dict needs the model's config too: pass a config (its `architectures` naming the "
+            f"class, e.g. {model_or_config.__name__!r}) or a model instance."
+        )
+    if isinstance(model_or_config, nn.Module):
+        config, name = model_or_config.config, type(model_or_config).__name__
+    elif isinstance(model_or_config, PretrainedConfig):
+        config = model_or_config
+        names = getattr(config, "architectures", None) or []
+        if not names:
+            raise ValueError(
+                "convert_state_dict got a config without `architectures`, so the model class is unknown: set "
+                "config.architectures = ['GPT2LMHeadModel'] (the class the state dict belongs to), or pass the "
+                "model itself."
+            )
+        name = names[0]
+    else:
+        raise TypeError(f"model_or_config must be a transformers/oslo model or a PretrainedConfig, not "
+                        f"{type(model_or_config).__name__}")
+    cls = getattr(sys.modules[__name__], name, None)
+    if not (isinstance(cls, type) and issubclass(cls, OsloPreTrainedModel)):
+        raise ValueError(f"oslo has no parallel class {name!r}; the supported classes are {supported_classes()}")
+    return cls, config

@@ -21,7 +21,7 @@ from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
-from oslo import hub
+from oslo import hub, lora
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models.body import StagedBody
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
@@ -60,7 +60,6 @@ from oslo.parallel.dtensor import (
 from oslo.parallel.failure import call_watch
 from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
-    _STAGE_PLAN,
     PipelineStep,
     StageLayers,
     StageLink,
@@ -70,6 +69,7 @@ from oslo.parallel.pipeline import (
     partition_costs,
     pipeline_pass,
     pipeline_schedule,
+    reset_stage_plan,
     split_micro_batches,
     stage_plan,
 )
@@ -92,7 +92,13 @@ def _resolve_dtype(dtype, torch_dtype) -> torch.dtype | str | None:
     raise ValueError(f"dtype={dtype!r} is not a torch dtype; pass e.g. dtype=torch.float16 or dtype='auto'.")
 
 
-def _validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: int) -> int:
+def validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: int) -> int:
+    """``pipeline_parallel_size``, checked (with ``micro_batch_size``) for the model class ``cls``.
+
+    Raises:
+        TypeError, ValueError: a size that is not a positive int (:func:`validate_parallel_size`).
+        NotImplementedError: ``cls`` has no pipelines and ``pipeline_parallel_size > 1``.
+    """
     pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
     validate_parallel_size("micro_batch_size", micro_batch_size)
     if pp > 1 and not cls._supports_pipeline_parallel:
@@ -157,8 +163,6 @@ def _accelerate_refuses_parallelism_config() -> str | None:
 
 
 def _install_lora() -> None:
-    from oslo import lora
-
     try:
         lora.install()
     except Exception as exc:  # noqa: BLE001 - an incompatible PEFT must not stop oslo models from being built
@@ -269,7 +273,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         super().post_init()
         token = self.__dict__.pop("_stage_plan_token", None)
         if token is not None:
-            _STAGE_PLAN.reset(token)
+            reset_stage_plan(token)
 
     @classmethod
     def pipeline_partition(cls, config: PretrainedConfig, pipeline_parallel_size: int) -> list[range]:
@@ -287,7 +291,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             with torch.device("meta"):
                 model = cls(config, parallel_context=ParallelContext.planning())
         finally:
-            _STAGE_PLAN.reset(token)
+            reset_stage_plan(token)
         containers = [name for name, module in model.named_modules() if isinstance(module, StageLayers)]
         offsets, total = {}, 0
         for name in containers:
@@ -1253,7 +1257,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
                 parallel_context=parallel_context, timeout=timeout))
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
+        pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         if not isinstance(config, cls.config_class):
@@ -1354,7 +1358,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
                 parallel_context=parallel_context, timeout=timeout, config=config, **kwargs))
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = _validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
+        pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
         dtype = _resolve_dtype(dtype, torch_dtype)
         hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
         path = os.fspath(pretrained_model_name_or_path)
@@ -1446,7 +1450,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             The model, in training mode (set the mode you need).
         """
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = _validate_pipeline_size(cls, pipeline_parallel_size, 1)
+        pp = validate_pipeline_size(cls, pipeline_parallel_size, 1)
         dtype = _resolve_dtype(dtype, None)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         if not isinstance(config, cls.config_class):

@@ -2,9 +2,9 @@
 
 from oslo.parallel.agreement import InputMismatchError, agree_on_nonfinite_gradients, check_same_inputs
 from oslo.parallel.clip import clip_grad_norm_
-from oslo.parallel.comm import PeerLostError, PeerTimeoutError, RankFailedError
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import PipelineStageNormError
+from oslo.parallel.errors import PeerLostError, PeerTimeoutError, RankFailedError
 from oslo.parallel.failure import ModelUnusableError
 from oslo.parallel.layers import (
     ColumnParallelEmbedding,

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from oslo.parallel import failure, traced
-from oslo.parallel.comm import naming_timeouts
+from oslo.parallel.collectives import group_size
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.mappings import group_size
+from oslo.parallel.errors import naming_timeouts
 
 __all__ = [
     "InputMismatchError", "agree_on_nonfinite_gradients", "agreed_inputs", "check_same_inputs", "embedding_index_error",

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from oslo.parallel.errors import naming_timeouts
 from oslo.parallel.random import ParallelRNG
 
 logger = logging.getLogger(__name__)
@@ -354,8 +355,6 @@ class ParallelContext:
         Raises:
             ValueError: on every rank, naming each value that differs and the ranks that passed it.
         """
-        from oslo.parallel.comm import naming_timeouts  # (comm imports this module)
-
         timeout_ms = round(self.timeout.total_seconds() * 1000)
         seed_bits = 0 if seed is None else (seed + 2**63) % 2**64 - 2**63  # any int64-wrapped seed
         mine = torch.tensor([tp, pp, timeout_ms, seed is not None, seed_bits], dtype=torch.int64, device=self.device)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from oslo.parallel.comm import naming_timeouts
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.errors import naming_timeouts
 
 __all__ = ["active_data_parallel_wrapper", "average_over_replicas", "sum_over_replicas"]
 

@@ -10,7 +10,7 @@ everyone waits until the timeout. gloo offers no way to cancel a collective, so:
   briefly to learn whether its peers failed too.
 * While a rank waits in a collective of the model, it looks for such a record every
   :data:`POLL_SECONDS`; if a peer failed in this call, it stops waiting and raises
-  :class:`~oslo.parallel.comm.RankFailedError`, naming the rank and its error.
+  :class:`~oslo.parallel.errors.RankFailedError`, naming the rank and its error.
 * If every rank of the model-parallel group failed in the same call (a deterministic error, such as a
   bad argument seen by every rank), nobody was left inside a collective: the model stays usable and
   each rank raises its own error. Otherwise the group's collectives are out of step for good: the
@@ -28,8 +28,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from oslo.parallel.comm import PeerLostError, RankFailedError, comm_error
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.errors import PeerLostError, RankFailedError, comm_error
 
 __all__ = ["ModelUnusableError", "POLL_SECONDS", "CallWatch", "call_watch", "mark_settled", "wait"]
 

@@ -17,7 +17,7 @@ from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import gradient_sink
 from oslo.parallel.loss import causal_lm_loss
 from oslo.parallel.mappings import (
-    _all_reduce,
+    all_reduce,
     gather_from_tensor_parallel,
     group_size,
     reduce_from_tensor_parallel,
@@ -67,7 +67,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 grad_x = (flat_grad @ weight.t() if ctx.transposed else flat_grad @ weight).view(x.shape)
                 grad_x = grad_x.to(x.dtype)
                 if ctx.reduce_input_grad and torch.compiler.is_compiling():  # (no overlap to start in a trace)
-                    grad_x = _all_reduce(grad_x, ctx.group, "summing the input gradient over the tensor-parallel group")
+                    grad_x = all_reduce(grad_x, ctx.group, "summing the input gradient over the tensor-parallel group")
                 elif ctx.reduce_input_grad:
                     work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
             grad_weight = grad_bias = None

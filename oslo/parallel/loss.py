@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from oslo.parallel import traced
-from oslo.parallel.mappings import _all_reduce, group_size
+from oslo.parallel.collectives import group_size
+from oslo.parallel.mappings import all_reduce
 
 
 def _graph_is_kept() -> bool:
@@ -43,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         padded = valid_columns < logits.size(-1)
         row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
         if group_size(group) > 1:
-            row_max = _all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group", "max")
+            row_max = all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group", "max")
 
         ignored = target == ignore_index
         local_target = target - vocab_start
@@ -57,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if group_size(group) > 1:
             # One all-reduce for both per-token reductions.
-            both = _all_reduce(torch.stack([target_logit, sum_exp]), group,
+            both = all_reduce(torch.stack([target_logit, sum_exp]), group,
                                "summing the loss terms over the tensor-parallel group")
             target_logit, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)

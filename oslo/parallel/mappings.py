@@ -8,35 +8,19 @@ identity when the group has a single rank (or is ``None``: no distributed run).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from oslo.parallel import traced
+from oslo.parallel.collectives import eager_all_gather, eager_all_reduce, group_rank, group_size
 
 
-def group_size(group) -> int:
-    """Number of ranks in ``group`` (1 for ``None``: a plain, non-distributed process)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def _all_reduce(tensor: torch.Tensor, group, what: str = "summing over the tensor-parallel group",
-                op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group, what: str = "summing over the tensor-parallel group",
+               op: str = "sum") -> torch.Tensor:
     """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, in place of a contiguous ``tensor``, waited
     for as :func:`oslo.parallel.failure.wait` waits (``what``: for its errors). In a traced call, oslo's custom
     operator, which runs this same code when the compiled program runs (see :mod:`oslo.parallel.traced`)."""
-    from oslo.parallel import failure  # (failure imports this module)
-
     if torch.compiler.is_compiling():
         return traced.all_reduce(tensor, group, what, op)
-    tensor = tensor.contiguous()
-    failure.wait(dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True), group, what)
-    return tensor
+    return eager_all_reduce(tensor, group, what, op)
 
 
 def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -44,22 +28,13 @@ def _split(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return chunks[group_rank(group)].contiguous()
 
 
-def _all_gather(tensor: torch.Tensor, group, dim: int, what: str = "gathering over the tensor-parallel group"
-                ) -> torch.Tensor:
-    """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` (a new tensor); traced as :func:`_all_reduce`
+def all_gather(tensor: torch.Tensor, group, dim: int, what: str = "gathering over the tensor-parallel group"
+               ) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` (a new tensor); traced as :func:`all_reduce`
     is."""
-    from oslo.parallel import failure
-
     if torch.compiler.is_compiling():
         return traced.all_gather(tensor, group, dim, what)
-    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
-    device = tensor.device
-    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
-    tensor = (tensor.cpu() if staged else tensor).contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
-    gathered = torch.cat(parts, dim=dim)
-    return gathered.to(device) if staged else gathered
+    return eager_all_gather(tensor, group, dim, what)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -73,7 +48,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # The incoming gradient may be shared with another branch of the graph: reduce a copy.
-        return _all_reduce(grad.clone(), ctx.group), None
+        return all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
@@ -81,7 +56,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, group):
-        return _all_reduce(tensor, group)
+        return all_reduce(tensor, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -98,7 +73,7 @@ class _ScatterToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return all_gather(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromTensorParallel(torch.autograd.Function):
@@ -107,7 +82,7 @@ class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(tensor, group, dim)
+        return all_gather(tensor, group, dim)
 
     @staticmethod
     def backward(ctx, grad):

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from oslo.parallel import failure
-from oslo.parallel.comm import PeerLostError, naming_timeouts
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.errors import PeerLostError, naming_timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,11 @@ def stage_plan(ranges: list[range] | None, config: Any = None):
     """Make ``ranges`` (layers per stage, from measured costs) the partition that the :class:`StageLayers`
     built until the returned token is reset take their layers from. Returns the token."""
     return _STAGE_PLAN.set(_StagePlan(ranges, config) if ranges is not None else None)
+
+
+def reset_stage_plan(token) -> None:
+    """Make the plan active before :func:`stage_plan` returned ``token`` active again."""
+    _STAGE_PLAN.reset(token)
 
 
 def active_stage_plan() -> _StagePlan | None:

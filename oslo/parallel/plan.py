@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from oslo.parallel.context import ParallelContext
+
 # Kinds of split, named after the layer that produces them.
 COLUMN = "column"  # output features of a linear layer
 ROW = "row"  # input features of a linear layer
@@ -143,3 +145,20 @@ def parameter_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
             specs[full] = declared.get(param_name)
     names = {name for name, _ in model.named_parameters()}
     return {name: spec for name, spec in specs.items() if name in names}
+
+
+def specs_by_name(cls: type, config, tensor_parallel_size: int, rank: int) -> tuple[nn.Module, dict]:
+    """How the oslo model class ``cls`` splits at ``tensor_parallel_size``, read without processes: the model built
+    on the meta device as tensor-parallel rank ``rank`` (no tensor allocated), and every parameter name (tied
+    duplicates included) mapped to its spec (``None``: replicated)."""
+    context = ParallelContext.planning()
+    context.tensor_parallel_size, context.tensor_parallel_rank = tensor_parallel_size, rank
+    cls._validate_parallel_config(config, tensor_parallel_size)
+    with torch.device("meta"):
+        model = cls(config, parallel_context=context)
+    by_param = {}
+    named = dict(model.named_parameters())
+    for name, spec in parameter_specs(model).items():
+        by_param[id(named[name])] = spec
+    specs = {name: by_param[id(param)] for name, param in model.named_parameters(remove_duplicate=False)}
+    return model, specs

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from oslo.parallel.collectives import eager_all_gather, eager_all_reduce
+
 __all__ = ["Hook", "all_gather", "all_reduce", "call", "eager", "hook", "register", "run"]
 
 _objects: dict[int, weakref.ref] = {}
@@ -60,9 +62,7 @@ def _group(name: str):
 
 @torch.library.custom_op("oslo::all_reduce", mutates_args=())
 def _all_reduce_op(tensor: torch.Tensor, group_name: str, op: str, what: str) -> torch.Tensor:
-    from oslo.parallel.mappings import _all_reduce  # the eager collective (no tracing when this runs)
-
-    return _all_reduce(tensor.clone(memory_format=torch.contiguous_format), _group(group_name), what, op)
+    return eager_all_reduce(tensor.clone(memory_format=torch.contiguous_format), _group(group_name), what, op)
 
 
 @_all_reduce_op.register_fake
@@ -72,9 +72,7 @@ def _(tensor, group_name, op, what):
 
 @torch.library.custom_op("oslo::all_gather", mutates_args=())
 def _all_gather_op(tensor: torch.Tensor, group_name: str, dim: int, what: str) -> torch.Tensor:
-    from oslo.parallel.mappings import _all_gather
-
-    return _all_gather(tensor, _group(group_name), dim, what)
+    return eager_all_gather(tensor, _group(group_name), dim, what)
 
 
 @_all_gather_op.register_fake
@@ -84,12 +82,12 @@ def _(tensor, group_name, dim, what):
 
 
 def all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
-    """:func:`oslo.parallel.mappings._all_reduce` as a traced operator: a new tensor."""
+    """:func:`oslo.parallel.mappings.all_reduce` as a traced operator: a new tensor."""
     return _all_reduce_op(tensor, group.group_name, op, what)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
-    """:func:`oslo.parallel.mappings._all_gather` as a traced operator."""
+    """:func:`oslo.parallel.mappings.all_gather` as a traced operator."""
     return _all_gather_op(tensor, group.group_name, dim, what)
 
 

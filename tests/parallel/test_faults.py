@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import oslo
 from oslo.parallel import ParallelContext
-from oslo.parallel.comm import PeerLostError, naming_timeouts, run_on_all_ranks
+from oslo.parallel.comm import run_on_all_ranks
+from oslo.parallel.errors import PeerLostError, naming_timeouts
 from tests.distributed import LOST_EXIT, run_distributed
 from tests.helpers import tiny_gpt2_config
 

@@ -1,0 +1,45 @@
+"""Eager collectives over a process group, each waited for by the failure watchdog (:func:`oslo.parallel.failure.wait`).
+
+What the paired autograd functions of :mod:`oslo.parallel.mappings` run in an eager call, and what the custom
+operators of :mod:`oslo.parallel.traced` run when a compiled program reaches them: one code for both, below both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from oslo.parallel import failure
+
+
+def group_size(group) -> int:
+    """Number of ranks in ``group`` (1 for ``None``: a plain, non-distributed process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def eager_all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
+    """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, in place of a contiguous ``tensor``, waited
+    for as :func:`oslo.parallel.failure.wait` waits (``what``: for its errors)."""
+    tensor = tensor.contiguous()
+    failure.wait(dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True), group, what)
+    return tensor
+
+
+def eager_all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` (a new tensor), waited for as
+    :func:`eager_all_reduce` is."""
+    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
+    device = tensor.device
+    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    tensor = (tensor.cpu() if staged else tensor).contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
+    gathered = torch.cat(parts, dim=dim)
+    return gathered.to(device) if staged else gathered
