@@ -85,12 +85,16 @@ def _dies(rank, world_size, code):
     return rank
 
 
+def _returns(rank, world_size):
+    return rank
+
+
 def test_lost_ranks_and_a_rank_that_exits_without_a_result():
     assert launch.run(_dies, 2, (launch.LOST_EXIT,), lost={0}, timeout=30) == [None, 1]
     with pytest.raises(launch.RankFailedError, match=r"rank 0 failed:\nexited without a result \(exit code 3\)"):
         launch.run(_dies, 2, (3,), timeout=30)
-    with pytest.raises(launch.RankFailedError, match=r"was to end its process"):
-        launch.run(_dies, 2, (launch.LOST_EXIT,), lost={1}, timeout=30)
+    with pytest.raises(launch.RankFailedError, match=r"rank 1 failed:\nwas to end its process"):
+        launch.run(_returns, 2, lost={1}, timeout=30)  # no other rank fails first
 
 
 def _reports(rank, world_size):
