@@ -75,6 +75,6 @@ def test_bad_arguments_name_the_problem(gpt2):
     with pytest.raises(ValueError, match="n_head"):
         oslo.convert_state_dict(state, reference, 3, 0)
     config = reference.config
-    config.architectures = ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match="no parallel class 'LlamaForCausalLM'.*GPT2LMHeadModel"):
+    config.architectures = ["FalconForCausalLM"]
+    with pytest.raises(ValueError, match="no parallel class 'FalconForCausalLM'.*GPT2LMHeadModel"):
         oslo.convert_state_dict(state, config, 2, 0)

@@ -309,14 +309,13 @@ def test_config_errors_name_the_problem(tmp_path):
     assert not any(p.is_meta for p in model.parameters())  # nothing consumed
 
 
-def _llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2)
-    return transformers.LlamaForCausalLM(config)
+def _unsupported():
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    return transformers.FalconForCausalLM(config)
 
 
 def test_unsupported_models_list_the_supported_classes():
-    for model in (_llama(), nn.Linear(4, 4)):
+    for model in (_unsupported(), nn.Linear(4, 4)):
         with pytest.raises(ValueError, match=r"supported classes are \[.*'GPT2LMHeadModel'.*'T5ForConditionalGen"):
             oslo.initialize(model, _layout(tp=2))  # tp=2 in one process: refused before any process group
     assert not dist.is_initialized()
@@ -325,7 +324,7 @@ def test_unsupported_models_list_the_supported_classes():
 def _bad_input_everywhere(rank, world_size):
     messages = []
     for model, config in ((_gpt2(), {"model_parallelism": {"tensor_parallel_size": 2, "pipline": 2}}),
-                          (_llama(), _layout(tp=2))):
+                          (_unsupported(), _layout(tp=2))):
         try:
             oslo.initialize(model, config)
         except ValueError as exc:
@@ -339,4 +338,4 @@ def test_every_rank_refuses_bad_input():
     for messages in results:
         assert len(messages) == 2
         assert "model_parallelism.pipline" in messages[0]
-        assert "LlamaForCausalLM" in messages[1]
+        assert "FalconForCausalLM" in messages[1]
