@@ -29,6 +29,8 @@ def _small_config(case: Case):
         config.num_layers = 2
     elif isinstance(config, transformers.T5Config):
         config.num_layers = config.num_decoder_layers = 1
+    elif getattr(config, "layer_types", None) is not None:  # Qwen2: one layer type per layer, checked on assignment
+        config = type(config)(**{**config.to_dict(), "num_hidden_layers": 1, "layer_types": config.layer_types[:1]})
     else:
         config.num_hidden_layers = 1
     config.classifier_dropout = 0.0  # GPT2's classification heads default to 0.1 (no dropout in its config)
