@@ -18,7 +18,8 @@ import transformers
 import oslo
 from tests.models.zoo import Case, all_cases, compare_outputs
 
-CASES = all_cases()
+# Qwen2's and Mistral's heads are Llama's classes over their bodies: their causal LMs stand for them here.
+CASES = [case for case in all_cases() if case.arch not in ("qwen2", "mistral") or case.anchor]
 
 
 def _small_config(case: Case):
