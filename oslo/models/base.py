@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +24,7 @@ from oslo import hub
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models.body import StagedBody
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
-from oslo.parallel import traced
+from oslo.parallel import ties, traced
 from oslo.parallel.agreement import (
     agree_on_nonfinite_gradients,
     agreed_inputs,
@@ -53,7 +52,6 @@ from oslo.parallel.dtensor import (
     plain,
     plain_leaves_module,
     shared_views,
-    trained_grad,
     trains_plain_leaves,
     undistribute_parameters,
 )
@@ -319,142 +317,27 @@ class OsloPreTrainedModel(PreTrainedModel):
         """Rows per micro-batch of pipeline parallelism (no effect without it)."""
         self.micro_batch_size = validate_parallel_size("micro_batch_size", micro_batch_size)
 
-    # ---- weights tied across pipeline stages ---------------------------------------------------
-    def _tie_families(self) -> dict[str, list[str]]:
-        """``{source: [targets]}`` of the model's weight ties, sub-models' included, as full parameter names
-        (whichever stage holds them): GPT2's ``{"transformer.wte.weight": ["lm_head.weight"]}``, T5's
-        ``shared.weight`` with the encoder's and the decoder's ``embed_tokens`` and ``lm_head``. Ties hold only
-        where the (sub-)model's config ties word embeddings, as in transformers."""
-        families: dict[str, list[str]] = {}
-        for prefix, module in self.named_modules():
-            if not isinstance(module, PreTrainedModel) or not getattr(module.config, "tie_word_embeddings", False):
-                continue
-            dot = f"{prefix}." if prefix else ""
-            for target, source in (module._tied_weights_keys or {}).items():
-                targets = families.setdefault(dot + source, [])
-                if dot + target not in targets:
-                    targets.append(dot + target)
-        return families
-
-    def _tie_targets(self) -> set[str]:
-        """Every tie target's full name (see :meth:`_tie_families`), computed once per model: ties are fixed
-        when the model is built."""
-        targets = self.__dict__.get("_tie_targets_cache")
-        if targets is None:
-            targets = {target for members in self._tie_families().values() for target in members}
-            self.__dict__["_tie_targets_cache"] = targets
-        return targets
-
+    # ---- weights tied across pipeline stages (see oslo.parallel.ties) ---------------------------
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        # Under pipeline parallelism a tie may span stages (GPT2's wte on the first, lm_head on the last;
-        # T5's shared embedding, its decoder's copy and lm_head on up to three): the members a stage holds
-        # share one parameter (the source if held here, else the first target), and the stages' copies
-        # start equal and get equal gradients (pipeline_gradient_reduction). oslo's tie keys are plain
-        # parameter names: they are not expanded as patterns (transformers would look up both ends among
-        # this stage's parameters, and fail when one is on another stage).
+        # A tie may span pipeline stages: each stage ties only the members it holds (see oslo.parallel.ties).
         if self.parallel_context.pipeline_parallel_size == 1 or all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels)
-        if not getattr(self.config, "tie_word_embeddings", False) or not self._tied_weights_keys:
-            return {}
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        families: dict[str, list[str]] = {}
-        for target, source in self._tied_weights_keys.items():
-            families.setdefault(source, []).append(target)
-        tied = {}
-        for source, targets in families.items():
-            members = [name for name in [source, *sorted(targets)] if name in local]
-            tied.update({member: members[0] for member in members[1:]})
-        return tied
+        return ties.stage_tied_weights_keys(self)
 
     def cross_stage_tied_weights(self) -> dict[str, str]:
-        """``{local parameter: the name of a tied twin on another stage}`` (empty without pipelines).
-
-        A tie target's twin is its source (``lm_head.weight``: ``transformer.wte.weight``), which the
-        checkpoints hold; a source's twin is a target held elsewhere. The stages' copies start equal and get
-        the same gradients. Ties whose members are all on this stage (BERT's decoder bias and
-        ``cls.predictions.bias``) share one parameter and are not listed.
-        """
-        if self.parallel_context.pipeline_parallel_size == 1:
-            return {}
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        twins = {}
-        for source, targets in sorted(self._tie_families().items()):
-            elsewhere = [name for name in [source, *sorted(targets)] if name not in local]
-            if not elsewhere:
-                continue
-            for member in [source, *targets]:
-                if member in local:
-                    twins[member] = source if source not in local else elsewhere[0]
-        return twins
+        """``{local parameter: the name of a tied twin on another stage}``; see
+        :func:`oslo.parallel.ties.cross_stage_tied_weights`."""
+        return ties.cross_stage_tied_weights(self)
 
     def cross_stage_tied_copies(self) -> dict[str, str]:
-        """``{copy: source}`` for this stage's tie targets whose source is on another stage (GPT2's
-        ``lm_head.weight`` on the last stage). Merged checkpoints leave them out, as transformers leaves
-        out tied weights; gradient clipping counts them once; initialization copies the source."""
-        twins = self.cross_stage_tied_weights()
-        return {name: twin for source, targets in self._tie_families().items() for name in targets
-                if (twin := twins.get(name)) == source}
-
-    def _build_tie_groups(self) -> None:
-        """For every tie whose members sit on several pipeline stages, the group of those stages (see
-        :meth:`~oslo.parallel.context.ParallelContext.stage_group`), over which the copies sum their
-        gradients. The stages tell each other which ties they hold (one small all-gather), so the groups
-        follow what each stage built."""
-        self._tie_groups: dict[str, tuple[tuple[int, ...], object]] = {}
-        context = self.parallel_context
-        if context.pipeline_parallel_size == 1:
-            return
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        families = self._tie_families()
-        held = sorted(source for source, targets in families.items() if any(m in local for m in [source, *targets]))
-        stages: list = [None] * context.pipeline_parallel_size
-        dist.all_gather_object(stages, held, group=context.pipeline_parallel_group)
-        for source in sorted(families):
-            holders = tuple(stage for stage, sources in enumerate(stages) if source in sources)
-            if len(holders) > 1:
-                self._tie_groups[source] = (holders, context.stage_group(holders))
+        """``{copy: source}`` for this stage's tie targets whose source is on another stage; see
+        :func:`oslo.parallel.ties.cross_stage_tied_copies`."""
+        return ties.cross_stage_tied_copies(self)
 
     def pipeline_gradient_reduction(self, average_replicas: bool = True, half: bool = False) -> Callable[[bool], None]:
-        """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
-
-        Returns a function ``reduce(scaled)`` that (1) sums the gradients a step added to the copies of a
-        weight tied across stages (over the stages that hold it), so every copy gets the gradient the single
-        tied weight would, (2) averages gradients over the data-parallel group, as
-        ``DistributedDataParallel`` would (unless ``average_replicas=False``: inside DDP's ``no_sync()``),
-        and (3) makes the ranks of the model agree on non-finite gradients, so that a gradient scaler skips
-        the step on all of them or on none (each rank looks for them when ``half`` (float16 compute) or
-        ``scaled`` (a backward seeded by a loss scale)). Gradients accumulated before the step (several
-        batches per optimizer step) are not counted twice: the snapshot of the tied gradients is taken now,
-        at the start of the step.
-        """
-        context = self.parallel_context
-        parameters = dict(self.named_parameters(remove_duplicate=False))
-        families = self._tie_families()
-        tied = []  # (parameter, group): this stage's one parameter of each tie held on several stages
-        for source, (holders, group) in sorted(getattr(self, "_tie_groups", {}).items()):
-            if context.pipeline_parallel_rank not in holders:
-                continue
-            member = next(name for name in [source, *sorted(families[source])] if name in parameters)
-            tied.append((parameters[member], group))
-        before = [grad.detach().clone() if (grad := trained_grad(param)) is not None else None for param, _ in tied]
-
-        def reduce(scaled: bool) -> None:
-            for (param, group), previous in zip(tied, before, strict=True):
-                if trained_grad(param) is None:
-                    if getattr(param, "_oslo_plain_leaf", False):
-                        param._oslo_storage.grad = torch.zeros_like(param._oslo_storage)
-                    else:
-                        param.grad = torch.zeros_like(param)
-                grad = trained_grad(param)
-                dist.all_reduce(grad, group=group)
-                if previous is not None:  # every holding stage added it
-                    grad.sub_(previous * (dist.get_world_size(group) - 1))
-            grads = [grad for param in self.parameters() if (grad := trained_grad(param)) is not None]
-            if average_replicas:
-                average_over_replicas(grads, context)
-            agree_on_nonfinite_gradients(grads, context, scan=half or scaled)
-
-        return reduce
+        """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it); see
+        :func:`oslo.parallel.ties.pipeline_gradient_reduction`."""
+        return ties.pipeline_gradient_reduction(self, average_replicas, half)
 
     # ---- losses: what a gradient averages over ---------------------------------------------------
     def _computes_in_half(self) -> bool:
@@ -1149,7 +1032,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             return torch.zeros(global_shape)
         # A tie target on another stage than its source (lm_head.weight) starts as the source does.
         # (Only tie targets can be copies: the map walks every parameter, so do not build it for each.)
-        seed_name = self.cross_stage_tied_copies().get(name, name) if name in self._tie_targets() else name
+        seed_name = self.cross_stage_tied_copies().get(name, name) if name in ties.tie_targets(self) else name
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
 
@@ -1171,7 +1054,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         # which unties shared weights: tie them again.
         model = model.to(dtype).to_empty(device=context.device)
         model.tie_weights()
-        model._build_tie_groups()
+        ties.build_tie_groups(model)
         model._initialize_buffers()
         return model
 
