@@ -22,11 +22,11 @@ from transformers.utils.hub import convert_file_size_to_int
 from oslo import checkpoint as ckpt
 from oslo import hub
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
+from oslo.models import loss_accounting
 from oslo.models.body import StagedBody
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
 from oslo.parallel import ties, traced
 from oslo.parallel.agreement import (
-    agree_on_nonfinite_gradients,
     agreed_inputs,
     check_same_inputs,
     embedding_index_error,
@@ -34,7 +34,7 @@ from oslo.parallel.agreement import (
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
-from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
+from oslo.parallel.data_parallel import active_data_parallel_wrapper
 from oslo.parallel.deepspeed_engine import (
     active_deepspeed_engine,
     check_engine,
@@ -49,14 +49,12 @@ from oslo.parallel.dtensor import (
     install_torch_hooks,
     is_distributed,
     local_named_parameters,
-    plain,
     plain_leaves_module,
     shared_views,
     trains_plain_leaves,
     undistribute_parameters,
 )
 from oslo.parallel.failure import call_watch
-from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
     _STAGE_PLAN,
     PipelineStep,
@@ -162,30 +160,6 @@ def _install_lora() -> None:
     except Exception as exc:  # noqa: BLE001 - an incompatible PEFT must not stop oslo models from being built
         logger.warning("oslo: PEFT is installed but could not be taught oslo's layers (%s: %s); LoRA on oslo "
                        "models will not work", type(exc).__name__, exc)
-
-
-@traced.eager("loss_backward")
-def _loss_backward(model, grads: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    """What a traced call's loss runs when the backward pass reaches it (``spec``: which of the overflow
-    agreement, in half precision or not, and the replica averaging), as an eager call's callbacks do."""
-    flags = spec.split(",")
-    if "average" in flags:
-        model._replica_averaging()(grads[0])
-    if "overflow" in flags:
-        model._overflow_callback("half" in flags)(grads[0])
-    return grads
-
-
-def _both(first: Callable, second: Callable | None) -> Callable:
-    """Two ``on_backward`` callbacks as one (``second`` may be ``None``)."""
-    if second is None:
-        return first
-
-    def both(grad: torch.Tensor) -> None:
-        first(grad)
-        second(grad)
-
-    return both
 
 
 _NOT_GATHERED: dict[type, type] = {}
@@ -339,91 +313,6 @@ class OsloPreTrainedModel(PreTrainedModel):
         :func:`oslo.parallel.ties.pipeline_gradient_reduction`."""
         return ties.pipeline_gradient_reduction(self, average_replicas, half)
 
-    # ---- losses: what a gradient averages over ---------------------------------------------------
-    def _computes_in_half(self) -> bool:
-        """Whether this call computes in float16 (autocast or float16 weights): gradients may overflow."""
-        device_type = self.device.type
-        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
-        return autocast or self.dtype == torch.float16
-
-    def _overflow_agreement(self, half: bool) -> Callable[[torch.Tensor], None] | None:
-        """``on_backward`` for a loss at tensor parallelism without pipelines: at the end of the backward
-        pass the tensor-parallel ranks agree on non-finite gradients (see
-        :func:`~oslo.parallel.agreement.agree_on_nonfinite_gradients`), so a gradient scaler skips the
-        step on every rank or on none. They look (and exchange one flag) when computing in float16 or when
-        the backward is seeded by a loss scale, as with a gradient scaler; other backward passes cost
-        nothing."""
-        if self.parallel_context.tensor_parallel_size == 1 or not torch.is_grad_enabled():
-            return None
-        self._overflow_check_pending = False  # a backward that failed before its check must not block this one
-        return self._overflow_callback(half)
-
-    def _overflow_callback(self, half: bool) -> Callable[[torch.Tensor], None]:
-        engine = torch.autograd.Variable._execution_engine
-
-        def check(scan: bool) -> None:
-            try:
-                agree_on_nonfinite_gradients([plain(p.grad) for p in self.parameters()], self.parallel_context, scan)
-            finally:
-                self._overflow_check_pending = False
-
-        def on_backward(grad: torch.Tensor) -> None:
-            if self._overflow_check_pending:  # two losses of this model in one backward: check once
-                return
-            self._overflow_check_pending = True
-            scan = half or not bool((grad == 1).all())
-            # Queued by a callback, so it runs after every callback queued during the backward pass
-            # (DistributedDataParallel copies its averaged gradients into .grad in one of those).
-            engine.queue_callback(lambda: engine.queue_callback(lambda: check(scan)))
-
-        return on_backward
-
-    def _traced_on_backward(self, has_loss_inputs: bool, averages_itself: bool) -> traced.Hook | None:
-        """What :meth:`_overflow_agreement` and :meth:`_replica_averaging` give an eager call, for a traced one:
-        a hook that the compiled backward runs (see :func:`_loss_backward`)."""
-        overflow = has_loss_inputs and self.parallel_context.tensor_parallel_size > 1 and torch.is_grad_enabled()
-        if not (overflow or averages_itself):
-            return None
-        spec = ",".join(name for name, on in (("overflow", overflow), ("half", self._computes_in_half()),
-                                               ("average", averages_itself)) if on)
-        return traced.hook("loss_backward", self, spec)
-
-    def _average_losses(
-        self,
-        values: dict,
-        batch: dict,
-        loss_items: Callable[[dict], dict[str, torch.Tensor]] | None,
-        num_items_in_batch,
-        divisors: dict[str, torch.Tensor] | None = None,
-        on_backward: Callable[[torch.Tensor], None] | None = None,
-    ) -> dict:
-        """Replace each :class:`~oslo.parallel.loss.LossSum` of a head's ``values`` by the loss tensor.
-
-        Its value is the mean over the items of ``batch`` (transformers' loss of that batch), or the sum
-        divided by ``num_items_in_batch`` when the caller gives one, as transformers does. Its gradient
-        averages over ``divisors`` when given: the items of the whole batch this step trains on.
-        """
-        losses = {name: value for name, value in values.items() if isinstance(value, LossSum)}
-        if not losses:
-            return values
-        items = loss_items(batch) if num_items_in_batch is None else {}
-        for name, loss in losses.items():
-            count = num_items_in_batch if num_items_in_batch is not None else items[name]
-            divisor = divisors.get(name) if divisors is not None else None
-            values[name] = average_loss(loss, count, divisor, on_backward)
-        return values
-
-    def _step_divisors(self, loss_items, batches: list[dict]) -> dict[str, torch.Tensor]:
-        """Items of each loss over ``batches`` and every data-parallel replica's batches, divided by the
-        number of replicas (whose gradients are then averaged): the divisors that make each replica's
-        gradient its share of the global batch's mean, as one process would compute it."""
-        counts: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            for name, count in loss_items(batch).items():
-                counts[name] = counts[name] + count if name in counts else count
-        counts = sum_over_replicas(counts, self.parallel_context)
-        return {name: count / self.parallel_context.data_parallel_size for name, count in counts.items()}
-
     # ---- body + head, with or without pipeline stages ------------------------------------------
     # Inputs of the head that, all given, make a training step under pipeline parallelism (a loss).
     _pipeline_loss_inputs: tuple[str, ...] = ("labels",)
@@ -503,27 +392,29 @@ class OsloPreTrainedModel(PreTrainedModel):
             )
         if context.pipeline_parallel_size == 1:
             divisors = None
-            averages_itself = has_loss_inputs and self._averages_replicas_itself(ddp, fsdp)
+            averages_itself = has_loss_inputs and loss_accounting.averages_replicas_itself(self, ddp, fsdp)
             engine = active_deepspeed_engine(context)
             if engine is not None:
                 check_engine(engine, pipeline=False)
             averaged = ddp is not None or fsdp or averages_itself or engine is not None  # DeepSpeed averages too
             if averaged and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
                     and num_items_in_batch is None and context.data_parallel_size > 1:
-                divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
+                # DDP averages: a share of the global mean
+                divisors = loss_accounting.step_divisors(context, loss_items, [batch])
             if torch.compiler.is_compiling():  # the compiled backward calls eager code (oslo.parallel.traced)
-                on_backward = self._traced_on_backward(has_loss_inputs, averages_itself)
+                on_backward = loss_accounting.traced_on_backward(self, has_loss_inputs, averages_itself)
             else:
-                on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
+                on_backward = loss_accounting.overflow_agreement(self, loss_accounting.computes_in_half(self)) \
+                    if has_loss_inputs else None
                 if averages_itself:
-                    on_backward = _both(self._replica_averaging(), on_backward)
+                    on_backward = loss_accounting.both(loss_accounting.replica_averaging(self), on_backward)
             if body is self:  # the head class is its own body (T5ForConditionalGeneration): run its steps
                 outputs = body.run(body.prepare(**inputs, cache=cache, use_cache=use_cache, return_dict=True,
                                                 **body_kwargs))
             else:
                 outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
             values = head(outputs, inputs, head_inputs, True)
-            self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
+            loss_accounting.average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
             output = output_class(**with_body_fields(values, outputs))
             return output if return_dict else output.to_tuple()
 
@@ -546,7 +437,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             values = head(outputs, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
             if outputs_needed:  # the body's own fields the head leaves (T5's encoder_last_hidden_state)
                 values = with_body_fields(values, outputs)
-            return self._average_losses(values, batch, loss_items, num_items_in_batch, divisors)
+            return loss_accounting.average_losses(values, batch, loss_items, num_items_in_batch, divisors)
 
         def wrap(output):
             return output if return_dict else output.to_tuple()
@@ -565,7 +456,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             micro_batches = split_micro_batches(batch, self.micro_batch_size)
             divisors = None
             if last and loss_items is not None and num_items_in_batch is None:
-                divisors = self._step_divisors(loss_items, micro_batches)
+                divisors = loss_accounting.step_divisors(context, loss_items, micro_batches)
             # DeepSpeed's engine averages over the replicas itself, once the step's gradients are complete.
             engine = active_deepspeed_engine(context)
             if engine is not None:
@@ -578,7 +469,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 average_replicas = ddp.require_backward_grad_sync
                 ddp.require_backward_grad_sync = False
                 self._ddp_sync_to_restore = (ddp, average_replicas)
-            half = self._computes_in_half()
+            half = loss_accounting.computes_in_half(self)
 
             def steps():
                 restore = self.__dict__.pop("_ddp_sync_to_restore", None)
@@ -683,35 +574,6 @@ class OsloPreTrainedModel(PreTrainedModel):
                 "model.mpu.get_data_parallel_world_size() replicas), or use DeepSpeed (USAGE.md, 'DeepSpeed')."
             )
         return context.tensor_parallel_size
-
-    def _averages_replicas_itself(self, ddp, fsdp: bool) -> bool:
-        """Whether this call's gradients are averaged over the data-parallel replicas by oslo at the end of the
-        backward pass: at pipeline_parallel_size 1 only for a model that accelerate prepared as tensor parallel
-        (transformers' ``Trainer``), which it leaves unwrapped and whose replicas nobody else averages."""
-        context = self.parallel_context
-        return (ddp is None and not fsdp and context.data_parallel_size > 1 and context.tensor_parallel_size > 1
-                and getattr(self, "_is_accelerate_prepared", False) and torch.is_grad_enabled())
-
-    def _replica_averaging(self) -> Callable[[torch.Tensor], None]:
-        """``on_backward`` for a loss whose gradients oslo averages over the data-parallel replicas once the
-        backward pass ends (as ``DistributedDataParallel`` would); several losses in one backward average once.
-        Averaging again gradients accumulated over several batches leaves the earlier (equal) shares as they are."""
-        engine = torch.autograd.Variable._execution_engine
-
-        def average() -> None:
-            try:
-                grads = [plain(p.grad) for p in self.parameters() if p.grad is not None]
-                average_over_replicas(grads, self.parallel_context)
-            finally:
-                self._replica_averaging_pending = False
-
-        def on_backward(grad: torch.Tensor) -> None:
-            if self.__dict__.get("_replica_averaging_pending"):
-                return
-            self._replica_averaging_pending = True
-            engine.queue_callback(average)
-
-        return on_backward
 
     @property
     def device_mesh(self):
