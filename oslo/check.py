@@ -217,7 +217,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
 
     import oslo.checkpoint as ckpt
     from oslo.conversion import _oslo_class
-    from oslo.models.base import _validate_pipeline_size
+    from oslo.models.build import validate_pipeline_size
 
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "batches", "batch_size", "seq_len"):
         value = getattr(args, name)
@@ -265,7 +265,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         raise UsageError(f"--micro-batch-size {micro} does not divide --batch-size {args.batch_size}")
     try:
         cls._validate_parallel_config(config, tp)
-        _validate_pipeline_size(cls, pp, micro)
+        validate_pipeline_size(cls, pp, micro)
         if pp > 1:
             cls.pipeline_partition(config, pp)  # refuses more stages than layers
     except (ValueError, NotImplementedError, TypeError) as exc:
