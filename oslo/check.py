@@ -217,7 +217,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
 
     import oslo.checkpoint as ckpt
     from oslo.models import oslo_class
-    from oslo.models.base import validate_pipeline_size
+    from oslo.models.build import validate_pipeline_size
 
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "batches", "batch_size", "seq_len"):
         value = getattr(args, name)

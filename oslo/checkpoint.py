@@ -45,6 +45,7 @@ from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local_named_parameters
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs, specs_by_name
+from oslo.parallel.ties import cross_stage_tied_copies, cross_stage_tied_weights, tie_families
 
 logger = logging.getLogger(__name__)
 
@@ -591,7 +592,7 @@ def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[se
     context: ParallelContext = model.parallel_context
     specs = parameter_specs(model)
     prefix = getattr(model, "base_model_prefix", "")
-    twins = model.cross_stage_tied_weights() if hasattr(model, "cross_stage_tied_weights") else {}
+    twins = cross_stage_tied_weights(model)
     own = _own_split_file(model, checkpoint, prefix, twins) if checkpoint.kind == "split" and not allow_vocab_resize \
         else None
     if own is not None:  # saved at this layout and partition: this rank's file holds its tensors as they are
@@ -894,7 +895,7 @@ class _Entry:
 def _pipeline_entries(model: nn.Module, local: list) -> list[_Entry]:
     """The saved tensors of every pipeline stage, in stage order (the same list on every rank)."""
     context: ParallelContext = model.parallel_context
-    copies = model.cross_stage_tied_copies() if hasattr(model, "cross_stage_tied_copies") else {}
+    copies = cross_stage_tied_copies(model)
     mine = [
         _Entry(
             context.pipeline_parallel_rank, name, tuple(spec.global_shape(tensor.shape) if spec else tensor.shape),
@@ -1008,7 +1009,7 @@ def save_split(model: nn.Module, directory: str, safe_serialization: bool = True
             for t in range(context.tensor_parallel_size)
         }
         tied = tied_keys(model)  # ties within rank 0's stage, and those across stages:
-        families = model._tie_families() if hasattr(model, "_tie_families") else {}
+        families = tie_families(model)
         sources = {target: source for source, targets in families.items() for target in targets}
         tied.update({e.name: sources[e.name] for e in everything if e.tied_copy})
         write_split_index(save.path(SPLIT_INDEX_NAME), context.tensor_parallel_size, context.pipeline_parallel_size,

@@ -31,7 +31,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PretrainedConfig, PreTrainedModel
 
 from oslo.models import oslo_class, supported_classes
-from oslo.models.base import OsloPreTrainedModel, validate_pipeline_size
+from oslo.models.base import OsloPreTrainedModel
+from oslo.models.build import from_state_dict_with_parallel, validate_pipeline_size
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 
 __all__ = ["initialize"]
@@ -116,8 +117,8 @@ def initialize(model: nn.Module, config: Mapping | str | os.PathLike) -> nn.Modu
     else:
         # Tied weights once, under the name transformers saves them by; meta ones are initialized from the seed.
         state_dict = {name: param.detach() for name, param in model.named_parameters() if not param.is_meta}
-        parallel = cls._from_state_dict_with_parallel(
-            model_config, state_dict, tensor_parallel_size, pipeline_parallel_size, dtype, attn_implementation,
+        parallel = from_state_dict_with_parallel(
+            cls, model_config, state_dict, tensor_parallel_size, pipeline_parallel_size, dtype, attn_implementation,
             source=f"the {type(model).__name__} given to oslo.initialize",
         )
         del state_dict

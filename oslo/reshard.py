@@ -28,6 +28,7 @@ from oslo.models import oslo_class
 from oslo.parallel.context import ParallelContext, validate_parallel_size
 from oslo.parallel.dtensor import local_named_parameters
 from oslo.parallel.plan import parameter_specs
+from oslo.parallel.ties import tie_families
 
 __all__ = ["reshard_checkpoint"]
 
@@ -224,7 +225,7 @@ def _write_split_index(save, stages, files, digests, tp, pp, dtype) -> None:
     tensors, names, tied = {}, {}, ckpt.tied_keys(stages[0])
     for stage, model in enumerate(stages):
         specs = parameter_specs(model)
-        sources = {target: source for source, targets in model._tie_families().items() for target in targets}
+        sources = {target: source for source, targets in tie_families(model).items() for target in targets}
         copies = model.cross_stage_tied_copies()
         stage_names = [key for key, *_ in files[ckpt.split_file_name(0, stage)]]
         for rank in range(tp):

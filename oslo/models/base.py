@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import zlib
@@ -11,9 +10,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -21,27 +18,20 @@ from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
-from oslo import hub, lora
+from oslo import lora
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
+from oslo.models import build, runner
 from oslo.models.body import StagedBody
-from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
-from oslo.parallel import traced
+from oslo.parallel import ties, traced
 from oslo.parallel.agreement import (
-    agree_on_nonfinite_gradients,
     agreed_inputs,
     check_same_inputs,
     embedding_index_error,
 )
 from oslo.parallel.clip import clip_grad_norm_
-from oslo.parallel.comm import run_on_all_ranks
 from oslo.parallel.context import ParallelContext, validate_parallel_size
-from oslo.parallel.data_parallel import active_data_parallel_wrapper, average_over_replicas, sum_over_replicas
 from oslo.parallel.deepspeed_engine import (
-    active_deepspeed_engine,
-    check_engine,
-    hold_reduction,
     install_deepspeed_hooks,
-    reduce_now,
 )
 from oslo.parallel.dtensor import (
     device_mesh,
@@ -50,94 +40,24 @@ from oslo.parallel.dtensor import (
     install_torch_hooks,
     is_distributed,
     local_named_parameters,
-    plain,
     plain_leaves_module,
     shared_views,
-    trained_grad,
     trains_plain_leaves,
     undistribute_parameters,
 )
 from oslo.parallel.failure import call_watch
-from oslo.parallel.loss import LossSum, average_loss
 from oslo.parallel.pipeline import (
-    PipelineStep,
     StageLayers,
-    StageLink,
     TimelineEvent,
     active_stage_plan,
     close_open_step,
     partition_costs,
-    pipeline_pass,
-    pipeline_schedule,
     reset_stage_plan,
-    split_micro_batches,
     stage_plan,
 )
-from oslo.parallel.plan import ShardSpec, parameter_specs
+from oslo.parallel.plan import ShardSpec
 
 logger = logging.getLogger(__name__)
-
-
-def _resolve_dtype(dtype, torch_dtype) -> torch.dtype | str | None:
-    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-        raise ValueError(
-            f"got dtype={dtype!r} and torch_dtype={torch_dtype!r}; torch_dtype is the older name of dtype, "
-            "pass only one of them."
-        )
-    dtype = dtype if dtype is not None else torch_dtype
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise ValueError(f"dtype={dtype!r} is not a torch dtype; pass e.g. dtype=torch.float16 or dtype='auto'.")
-
-
-def validate_pipeline_size(cls, pipeline_parallel_size: int, micro_batch_size: int) -> int:
-    """``pipeline_parallel_size``, checked (with ``micro_batch_size``) for the model class ``cls``.
-
-    Raises:
-        TypeError, ValueError: a size that is not a positive int (:func:`validate_parallel_size`).
-        NotImplementedError: ``cls`` has no pipelines and ``pipeline_parallel_size > 1``.
-    """
-    pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
-    validate_parallel_size("micro_batch_size", micro_batch_size)
-    if pp > 1 and not cls._supports_pipeline_parallel:
-        raise NotImplementedError(
-            f"{cls.__name__} does not support pipeline_parallel_size > 1 yet (got {pp}); use "
-            "pipeline_parallel_size=1 with tensor or data parallelism for this model."
-        )
-    return pp
-
-
-_LOGITS_NOT_GATHERED = (
-    "logits were not gathered: a training call (labels given, gradients enabled, model.train()) computes the "
-    "loss on the vocabulary-split logits and skips assembling the full logits, a batch x sequence x vocabulary "
-    "all-gather the loss does not need. Pass gather_logits=True to get them; under torch.no_grad(), in eval "
-    "mode or without labels they are gathered as before."
-)
-
-
-def _no_logits(output) -> None:
-    raise AttributeError(_LOGITS_NOT_GATHERED)
-
-
-def _set_no_logits(output, value) -> None:
-    if value is not None:  # the dataclass constructor sets the field's default, None
-        raise AttributeError(_LOGITS_NOT_GATHERED)
-
-
-class _LogitsNotGathered:
-    """Mixin of an output class whose ``logits`` were left out on purpose: asking for them raises. A property,
-    not a ``__getattribute__`` override, so that ``torch.compile`` builds the output inside its graph."""
-
-    logits = property(_no_logits, _set_no_logits)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in self.items())})"
-
-    def __reduce__(self):
-        plain = type(self).__mro__[2]  # the transformers output class
-        return plain, tuple(self.__dict__.get(field) for field in plain.__dataclass_fields__)
 
 
 def _accelerate_version() -> str:
@@ -168,48 +88,6 @@ def _install_lora() -> None:
     except Exception as exc:  # noqa: BLE001 - an incompatible PEFT must not stop oslo models from being built
         logger.warning("oslo: PEFT is installed but could not be taught oslo's layers (%s: %s); LoRA on oslo "
                        "models will not work", type(exc).__name__, exc)
-
-
-@traced.eager("loss_backward")
-def _loss_backward(model, grads: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    """What a traced call's loss runs when the backward pass reaches it (``spec``: which of the overflow
-    agreement, in half precision or not, and the replica averaging), as an eager call's callbacks do."""
-    flags = spec.split(",")
-    if "average" in flags:
-        model._replica_averaging()(grads[0])
-    if "overflow" in flags:
-        model._overflow_callback("half" in flags)(grads[0])
-    return grads
-
-
-def _both(first: Callable, second: Callable | None) -> Callable:
-    """Two ``on_backward`` callbacks as one (``second`` may be ``None``)."""
-    if second is None:
-        return first
-
-    def both(grad: torch.Tensor) -> None:
-        first(grad)
-        second(grad)
-
-    return both
-
-
-_NOT_GATHERED: dict[type, type] = {}
-
-
-def logits_not_gathered(output_class: type) -> type:
-    """``output_class`` (a transformers ``ModelOutput``) whose ``logits`` attribute raises an error that says
-    why they are missing and how to get them (``gather_logits=True``). Made once per class, when a model class
-    that returns it is defined (see :meth:`OsloPreTrainedModel.__init_subclass__`): ``torch.compile`` cannot
-    trace a class being made inside ``forward``."""
-    made = _NOT_GATHERED.get(output_class)
-    if made is None:
-        # ``logits`` is no field of it either: code that walks an output's dataclass fields (FSDP2's hooks) skips it.
-        fields = {name: field for name, field in output_class.__dataclass_fields__.items() if name != "logits"}
-        made = _NOT_GATHERED[output_class] = type(
-            output_class.__name__, (_LogitsNotGathered, output_class),
-            {"__module__": output_class.__module__, "__dataclass_fields__": fields})
-    return made
 
 
 def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tuple[str, int]) -> None:
@@ -249,7 +127,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         # the class rather than in its first call, which torch.compile may be tracing.
         for name in ("_lm_output_class", "_masked_lm_output_class"):
             if isinstance(getattr(cls, name, None), type):
-                logits_not_gathered(getattr(cls, name))
+                runner.logits_not_gathered(getattr(cls, name))
 
     def __init__(self, config: PretrainedConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config)
@@ -323,445 +201,35 @@ class OsloPreTrainedModel(PreTrainedModel):
         """Rows per micro-batch of pipeline parallelism (no effect without it)."""
         self.micro_batch_size = validate_parallel_size("micro_batch_size", micro_batch_size)
 
-    # ---- weights tied across pipeline stages ---------------------------------------------------
-    def _tie_families(self) -> dict[str, list[str]]:
-        """``{source: [targets]}`` of the model's weight ties, sub-models' included, as full parameter names
-        (whichever stage holds them): GPT2's ``{"transformer.wte.weight": ["lm_head.weight"]}``, T5's
-        ``shared.weight`` with the encoder's and the decoder's ``embed_tokens`` and ``lm_head``. Ties hold only
-        where the (sub-)model's config ties word embeddings, as in transformers."""
-        families: dict[str, list[str]] = {}
-        for prefix, module in self.named_modules():
-            if not isinstance(module, PreTrainedModel) or not getattr(module.config, "tie_word_embeddings", False):
-                continue
-            dot = f"{prefix}." if prefix else ""
-            for target, source in (module._tied_weights_keys or {}).items():
-                targets = families.setdefault(dot + source, [])
-                if dot + target not in targets:
-                    targets.append(dot + target)
-        return families
-
-    def _tie_targets(self) -> set[str]:
-        """Every tie target's full name (see :meth:`_tie_families`), computed once per model: ties are fixed
-        when the model is built."""
-        targets = self.__dict__.get("_tie_targets_cache")
-        if targets is None:
-            targets = {target for members in self._tie_families().values() for target in members}
-            self.__dict__["_tie_targets_cache"] = targets
-        return targets
-
+    # ---- weights tied across pipeline stages (see oslo.parallel.ties) ---------------------------
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        # Under pipeline parallelism a tie may span stages (GPT2's wte on the first, lm_head on the last;
-        # T5's shared embedding, its decoder's copy and lm_head on up to three): the members a stage holds
-        # share one parameter (the source if held here, else the first target), and the stages' copies
-        # start equal and get equal gradients (pipeline_gradient_reduction). oslo's tie keys are plain
-        # parameter names: they are not expanded as patterns (transformers would look up both ends among
-        # this stage's parameters, and fail when one is on another stage).
+        # A tie may span pipeline stages: each stage ties only the members it holds (see oslo.parallel.ties).
         if self.parallel_context.pipeline_parallel_size == 1 or all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels)
-        if not getattr(self.config, "tie_word_embeddings", False) or not self._tied_weights_keys:
-            return {}
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        families: dict[str, list[str]] = {}
-        for target, source in self._tied_weights_keys.items():
-            families.setdefault(source, []).append(target)
-        tied = {}
-        for source, targets in families.items():
-            members = [name for name in [source, *sorted(targets)] if name in local]
-            tied.update({member: members[0] for member in members[1:]})
-        return tied
+        return ties.stage_tied_weights_keys(self)
 
     def cross_stage_tied_weights(self) -> dict[str, str]:
-        """``{local parameter: the name of a tied twin on another stage}`` (empty without pipelines).
-
-        A tie target's twin is its source (``lm_head.weight``: ``transformer.wte.weight``), which the
-        checkpoints hold; a source's twin is a target held elsewhere. The stages' copies start equal and get
-        the same gradients. Ties whose members are all on this stage (BERT's decoder bias and
-        ``cls.predictions.bias``) share one parameter and are not listed.
-        """
-        if self.parallel_context.pipeline_parallel_size == 1:
-            return {}
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        twins = {}
-        for source, targets in sorted(self._tie_families().items()):
-            elsewhere = [name for name in [source, *sorted(targets)] if name not in local]
-            if not elsewhere:
-                continue
-            for member in [source, *targets]:
-                if member in local:
-                    twins[member] = source if source not in local else elsewhere[0]
-        return twins
+        """``{local parameter: the name of a tied twin on another stage}``; see
+        :func:`oslo.parallel.ties.cross_stage_tied_weights`."""
+        return ties.cross_stage_tied_weights(self)
 
     def cross_stage_tied_copies(self) -> dict[str, str]:
-        """``{copy: source}`` for this stage's tie targets whose source is on another stage (GPT2's
-        ``lm_head.weight`` on the last stage). Merged checkpoints leave them out, as transformers leaves
-        out tied weights; gradient clipping counts them once; initialization copies the source."""
-        twins = self.cross_stage_tied_weights()
-        return {name: twin for source, targets in self._tie_families().items() for name in targets
-                if (twin := twins.get(name)) == source}
-
-    def _build_tie_groups(self) -> None:
-        """For every tie whose members sit on several pipeline stages, the group of those stages (see
-        :meth:`~oslo.parallel.context.ParallelContext.stage_group`), over which the copies sum their
-        gradients. The stages tell each other which ties they hold (one small all-gather), so the groups
-        follow what each stage built."""
-        self._tie_groups: dict[str, tuple[tuple[int, ...], object]] = {}
-        context = self.parallel_context
-        if context.pipeline_parallel_size == 1:
-            return
-        local = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        families = self._tie_families()
-        held = sorted(source for source, targets in families.items() if any(m in local for m in [source, *targets]))
-        stages: list = [None] * context.pipeline_parallel_size
-        dist.all_gather_object(stages, held, group=context.pipeline_parallel_group)
-        for source in sorted(families):
-            holders = tuple(stage for stage, sources in enumerate(stages) if source in sources)
-            if len(holders) > 1:
-                self._tie_groups[source] = (holders, context.stage_group(holders))
+        """``{copy: source}`` for this stage's tie targets whose source is on another stage; see
+        :func:`oslo.parallel.ties.cross_stage_tied_copies`."""
+        return ties.cross_stage_tied_copies(self)
 
     def pipeline_gradient_reduction(self, average_replicas: bool = True, half: bool = False) -> Callable[[bool], None]:
-        """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it).
+        """What ends a pipeline step once every micro-batch is backpropagated (the schedule calls it); see
+        :func:`oslo.parallel.ties.pipeline_gradient_reduction`."""
+        return ties.pipeline_gradient_reduction(self, average_replicas, half)
 
-        Returns a function ``reduce(scaled)`` that (1) sums the gradients a step added to the copies of a
-        weight tied across stages (over the stages that hold it), so every copy gets the gradient the single
-        tied weight would, (2) averages gradients over the data-parallel group, as
-        ``DistributedDataParallel`` would (unless ``average_replicas=False``: inside DDP's ``no_sync()``),
-        and (3) makes the ranks of the model agree on non-finite gradients, so that a gradient scaler skips
-        the step on all of them or on none (each rank looks for them when ``half`` (float16 compute) or
-        ``scaled`` (a backward seeded by a loss scale)). Gradients accumulated before the step (several
-        batches per optimizer step) are not counted twice: the snapshot of the tied gradients is taken now,
-        at the start of the step.
-        """
-        context = self.parallel_context
-        parameters = dict(self.named_parameters(remove_duplicate=False))
-        families = self._tie_families()
-        tied = []  # (parameter, group): this stage's one parameter of each tie held on several stages
-        for source, (holders, group) in sorted(getattr(self, "_tie_groups", {}).items()):
-            if context.pipeline_parallel_rank not in holders:
-                continue
-            member = next(name for name in [source, *sorted(families[source])] if name in parameters)
-            tied.append((parameters[member], group))
-        before = [grad.detach().clone() if (grad := trained_grad(param)) is not None else None for param, _ in tied]
-
-        def reduce(scaled: bool) -> None:
-            for (param, group), previous in zip(tied, before, strict=True):
-                if trained_grad(param) is None:
-                    if getattr(param, "_oslo_plain_leaf", False):
-                        param._oslo_storage.grad = torch.zeros_like(param._oslo_storage)
-                    else:
-                        param.grad = torch.zeros_like(param)
-                grad = trained_grad(param)
-                dist.all_reduce(grad, group=group)
-                if previous is not None:  # every holding stage added it
-                    grad.sub_(previous * (dist.get_world_size(group) - 1))
-            grads = [grad for param in self.parameters() if (grad := trained_grad(param)) is not None]
-            if average_replicas:
-                average_over_replicas(grads, context)
-            agree_on_nonfinite_gradients(grads, context, scan=half or scaled)
-
-        return reduce
-
-    # ---- losses: what a gradient averages over ---------------------------------------------------
-    def _computes_in_half(self) -> bool:
-        """Whether this call computes in float16 (autocast or float16 weights): gradients may overflow."""
-        device_type = self.device.type
-        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
-        return autocast or self.dtype == torch.float16
-
-    def _overflow_agreement(self, half: bool) -> Callable[[torch.Tensor], None] | None:
-        """``on_backward`` for a loss at tensor parallelism without pipelines: at the end of the backward
-        pass the tensor-parallel ranks agree on non-finite gradients (see
-        :func:`~oslo.parallel.agreement.agree_on_nonfinite_gradients`), so a gradient scaler skips the
-        step on every rank or on none. They look (and exchange one flag) when computing in float16 or when
-        the backward is seeded by a loss scale, as with a gradient scaler; other backward passes cost
-        nothing."""
-        if self.parallel_context.tensor_parallel_size == 1 or not torch.is_grad_enabled():
-            return None
-        self._overflow_check_pending = False  # a backward that failed before its check must not block this one
-        return self._overflow_callback(half)
-
-    def _overflow_callback(self, half: bool) -> Callable[[torch.Tensor], None]:
-        engine = torch.autograd.Variable._execution_engine
-
-        def check(scan: bool) -> None:
-            try:
-                agree_on_nonfinite_gradients([plain(p.grad) for p in self.parameters()], self.parallel_context, scan)
-            finally:
-                self._overflow_check_pending = False
-
-        def on_backward(grad: torch.Tensor) -> None:
-            if self._overflow_check_pending:  # two losses of this model in one backward: check once
-                return
-            self._overflow_check_pending = True
-            scan = half or not bool((grad == 1).all())
-            # Queued by a callback, so it runs after every callback queued during the backward pass
-            # (DistributedDataParallel copies its averaged gradients into .grad in one of those).
-            engine.queue_callback(lambda: engine.queue_callback(lambda: check(scan)))
-
-        return on_backward
-
-    def _traced_on_backward(self, has_loss_inputs: bool, averages_itself: bool) -> traced.Hook | None:
-        """What :meth:`_overflow_agreement` and :meth:`_replica_averaging` give an eager call, for a traced one:
-        a hook that the compiled backward runs (see :func:`_loss_backward`)."""
-        overflow = has_loss_inputs and self.parallel_context.tensor_parallel_size > 1 and torch.is_grad_enabled()
-        if not (overflow or averages_itself):
-            return None
-        spec = ",".join(name for name, on in (("overflow", overflow), ("half", self._computes_in_half()),
-                                               ("average", averages_itself)) if on)
-        return traced.hook("loss_backward", self, spec)
-
-    def _average_losses(
-        self,
-        values: dict,
-        batch: dict,
-        loss_items: Callable[[dict], dict[str, torch.Tensor]] | None,
-        num_items_in_batch,
-        divisors: dict[str, torch.Tensor] | None = None,
-        on_backward: Callable[[torch.Tensor], None] | None = None,
-    ) -> dict:
-        """Replace each :class:`~oslo.parallel.loss.LossSum` of a head's ``values`` by the loss tensor.
-
-        Its value is the mean over the items of ``batch`` (transformers' loss of that batch), or the sum
-        divided by ``num_items_in_batch`` when the caller gives one, as transformers does. Its gradient
-        averages over ``divisors`` when given: the items of the whole batch this step trains on.
-        """
-        losses = {name: value for name, value in values.items() if isinstance(value, LossSum)}
-        if not losses:
-            return values
-        items = loss_items(batch) if num_items_in_batch is None else {}
-        for name, loss in losses.items():
-            count = num_items_in_batch if num_items_in_batch is not None else items[name]
-            divisor = divisors.get(name) if divisors is not None else None
-            values[name] = average_loss(loss, count, divisor, on_backward)
-        return values
-
-    def _step_divisors(self, loss_items, batches: list[dict]) -> dict[str, torch.Tensor]:
-        """Items of each loss over ``batches`` and every data-parallel replica's batches, divided by the
-        number of replicas (whose gradients are then averaged): the divisors that make each replica's
-        gradient its share of the global batch's mean, as one process would compute it."""
-        counts: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            for name, count in loss_items(batch).items():
-                counts[name] = counts[name] + count if name in counts else count
-        counts = sum_over_replicas(counts, self.parallel_context)
-        return {name: count / self.parallel_context.data_parallel_size for name, count in counts.items()}
-
-    # ---- body + head, with or without pipeline stages ------------------------------------------
+    # ---- body + head, with or without pipeline stages (see oslo.models.runner) ---------------
     # Inputs of the head that, all given, make a training step under pipeline parallelism (a loss).
     _pipeline_loss_inputs: tuple[str, ...] = ("labels",)
 
     def _new_cache(self):
         """A fresh KV cache for a pipeline stage (architectures with another cache type override)."""
         return DynamicCache(config=self.config)
-
-    def _forward_with_head(
-        self,
-        body: Callable,
-        inputs: dict,
-        head_inputs: dict,
-        head: Callable,
-        output_class: type,
-        cache=None,
-        use_cache: bool | None = None,
-        return_dict: bool | None = None,
-        body_kwargs: dict | None = None,
-        loss_items: Callable[[dict], dict[str, torch.Tensor]] | None = None,
-        num_items_in_batch=None,
-    ):
-        """Run ``body`` (the transformer, a :class:`~oslo.models.body.StagedBody`) and ``head`` on its output.
-
-        Without pipeline parallelism this is ``head(body(**inputs), ...)``. With it, the runner calls the
-        body's steps stage by stage (``prepare`` on every stage, ``embed`` on the first, ``run_layers``,
-        ``finish`` and the head on the last) and passes the body's payload between stages: a call that has
-        the loss inputs (``_pipeline_loss_inputs``) while gradients are enabled returns the 1F1B micro-batch
-        outputs (a :class:`~oslo.parallel.pipeline.PipelineStep`, each output holding ``loss``); any other
-        call is one pass without gradients whose outputs every stage receives.
-
-        Losses average as one process averages the whole batch: each loss output is the mean over
-        its own (micro-)batch's items, and its gradient is the sum's share of the whole step's items
-        (every micro-batch, every data-parallel replica when their gradients are averaged), so the
-        gradients after the step equal those of the global batch on one process.
-
-        Args:
-            body: The body module; called whole as ``body(**inputs, cache=..., use_cache=...,
-                return_dict=True, **body_kwargs)``, or step by step under pipelines.
-            inputs: The body's batch inputs (``input_ids``, ``attention_mask``, ...; ``None`` allowed).
-            head_inputs: Batch tensors only the head uses (``labels``, ``mc_token_ids``, ...).
-            head: ``head(outputs, inputs, head_inputs, outputs_needed)``, ``outputs`` being the body's whole
-                ``ModelOutput`` (``last_hidden_state``, ``pooler_output``...), returns the output fields it
-                computes, losses as :class:`~oslo.parallel.loss.LossSum`; fields it leaves out are taken
-                from the body's output (hidden states, attentions). ``outputs_needed=False`` (pipeline
-                training) means only ``loss`` is used.
-            output_class: The transformers ``ModelOutput`` to return.
-            loss_items: ``loss_items(batch)`` gives, for each loss the head returns, its item counts
-                per term in ``batch`` (a dict of the inputs and head inputs), from the labels alone.
-            num_items_in_batch: Divide the losses' sums by this instead (transformers' ``Trainer``
-                passes it).
-        """
-        body_kwargs = body_kwargs or {}
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        fields = list(output_class.__dataclass_fields__)
-        context = self.parallel_context
-        ddp = active_data_parallel_wrapper(context)
-        pending = self.__dict__.pop("_ddp_sync_to_restore", None)
-        if pending is not None:  # an earlier pipeline step under DDP that was never started
-            pending[0].require_backward_grad_sync = pending[1]
-        batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
-        has_loss_inputs = any(value is not None for value in head_inputs.values())
-
-        def with_body_fields(values: dict, outputs) -> dict:
-            for name in fields:
-                if name not in values and getattr(outputs, name, None) is not None:
-                    values[name] = getattr(outputs, name)
-            return values
-
-        fsdp = isinstance(self, FSDPModule)  # fully_shard (FSDP2) averages the gradients over the replicas
-        if fsdp and context.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__} is wrapped by fully_shard (FSDP2) at pipeline_parallel_size="
-                f"{context.pipeline_parallel_size}: FSDP2 composes with oslo's tensor parallelism at "
-                "pipeline_parallel_size=1 (any tensor- and data-parallel size). With pipelines, wrap the model in "
-                "DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())."
-            )
-        if context.pipeline_parallel_size == 1:
-            divisors = None
-            averages_itself = has_loss_inputs and self._averages_replicas_itself(ddp, fsdp)
-            engine = active_deepspeed_engine(context)
-            if engine is not None:
-                check_engine(engine, pipeline=False)
-            averaged = ddp is not None or fsdp or averages_itself or engine is not None  # DeepSpeed averages too
-            if averaged and torch.is_grad_enabled() and has_loss_inputs and loss_items is not None \
-                    and num_items_in_batch is None and context.data_parallel_size > 1:
-                divisors = self._step_divisors(loss_items, [batch])  # DDP averages: a share of the global mean
-            if torch.compiler.is_compiling():  # the compiled backward calls eager code (oslo.parallel.traced)
-                on_backward = self._traced_on_backward(has_loss_inputs, averages_itself)
-            else:
-                on_backward = self._overflow_agreement(self._computes_in_half()) if has_loss_inputs else None
-                if averages_itself:
-                    on_backward = _both(self._replica_averaging(), on_backward)
-            if body is self:  # the head class is its own body (T5ForConditionalGeneration): run its steps
-                outputs = body.run(body.prepare(**inputs, cache=cache, use_cache=use_cache, return_dict=True,
-                                                **body_kwargs))
-            else:
-                outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
-            values = head(outputs, inputs, head_inputs, True)
-            self._average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
-            output = output_class(**with_body_fields(values, outputs))
-            return output if return_dict else output.to_tuple()
-
-        # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
-        per_layer_fields = [name for name in body.per_layer_outputs if name in fields]
-        stage_outputs: dict[str, tuple] = {}
-        last = context.is_pipeline_last_stage()
-
-        def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
-            body_inputs = {name: batch.get(name) for name in inputs}
-            with self._model_call():  # a part of this call (the schedule runs it later): no input check
-                state = body.prepare(**body_inputs, cache=cache, use_cache=cache is not None,
-                                     return_dict=True, **body_kwargs)
-                payload = body.run_layers(body.embed(state) if received is None else received, state)
-                outputs = body.finish(payload, state) if last else None
-            stage_outputs.update({name: getattr(state, name) for name in per_layer_fields
-                                  if getattr(state, name, None) is not None})
-            if not last:
-                return payload
-            values = head(outputs, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
-            if outputs_needed:  # the body's own fields the head leaves (T5's encoder_last_hidden_state)
-                values = with_body_fields(values, outputs)
-            return self._average_losses(values, batch, loss_items, num_items_in_batch, divisors)
-
-        def wrap(output):
-            return output if return_dict else output.to_tuple()
-
-        if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in self._pipeline_loss_inputs):
-            flags = {"output_hidden_states" if "hidden_states" in name else "output_attentions"
-                     for name in per_layer_fields}
-            asked = [flag for flag in sorted(flags) if (
-                body_kwargs[flag] if body_kwargs.get(flag) is not None else getattr(self.config, flag, False))]
-            if cache is not None or asked:
-                raise NotImplementedError(
-                    "a KV cache (cache=), output_hidden_states and output_attentions are not supported in a pipeline "
-                    "training step (its micro-batch outputs hold the loss); run the model under torch.no_grad() "
-                    "for them."
-                )
-            micro_batches = split_micro_batches(batch, self.micro_batch_size)
-            divisors = None
-            if last and loss_items is not None and num_items_in_batch is None:
-                divisors = self._step_divisors(loss_items, micro_batches)
-            # DeepSpeed's engine averages over the replicas itself, once the step's gradients are complete.
-            engine = active_deepspeed_engine(context)
-            if engine is not None:
-                hold_reduction(engine, check_only=True)  # refused layouts fail at the call, on every rank
-            average_replicas = engine is None
-            if ddp is not None:
-                # DDP would average after the first micro-batch's backward only: the pipeline averages
-                # after the last one instead, and DDP's reducer stays out of this step (inside DDP's
-                # no_sync(), neither averages, as DDP would not).
-                average_replicas = ddp.require_backward_grad_sync
-                ddp.require_backward_grad_sync = False
-                self._ddp_sync_to_restore = (ddp, average_replicas)
-            half = self._computes_in_half()
-
-            def steps():
-                restore = self.__dict__.pop("_ddp_sync_to_restore", None)
-                if restore is not None:  # DDP's forward has returned: its flag is the user's again
-                    restore[0].require_backward_grad_sync = restore[1]
-                reduce = self.pipeline_gradient_reduction(average_replicas, half)
-                if engine is not None:
-                    hold_reduction(engine)
-
-                def after_step(scaled: bool) -> None:
-                    reduce(scaled)
-                    if engine is not None:
-                        reduce_now(engine)
-
-                yield from pipeline_schedule(
-                    context,
-                    len(micro_batches),
-                    lambda i, received: run_stage(micro_batches[i], received, None, False, divisors),
-                    micro_output=lambda values, loss: wrap(output_class(loss=loss)),
-                    last_stage_loss=lambda values: values["loss"],
-                    after_step=after_step,
-                    timeline=self.pipeline_timeline,
-                    payload=body.stage_payload,
-                )
-
-            return PipelineStep(steps(), context)
-
-        # One pass without gradients. Each stage caches its own layers' keys and values (bodies that cache).
-        use_cache = CACHE_FIELD in fields and body.builds_cache() and (
-            use_cache if use_cache is not None else self.config.use_cache)
-        if use_cache and cache is None:
-            cache = self._new_cache()
-        names = [name for name in fields if name not in per_layer_fields and name != CACHE_FIELD]
-        values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names,
-                               payload=body.stage_payload, first_stage=body.first_pass_stage(inputs, body_kwargs))
-        link = StageLink(context)
-        gathered = [name for name in per_layer_fields if name in stage_outputs]
-        values.update({name: link.gather_stages(stage_outputs[name]) for name in gathered})
-        if CACHE_FIELD in fields:
-            values[CACHE_FIELD] = cache if use_cache else None
-        return wrap(output_class(**values))
-
-    def _pipelined_body_call(self, *args, **kwargs):
-        """A body called by the user under pipeline parallelism: one pass without gradients over every
-        stage (the body's own ``forward`` is single-device code); every stage returns the output."""
-        bound = inspect.signature(self.forward).bind(*args, **rename_legacy_cache(dict(kwargs)))
-        arguments = dict(bound.arguments)
-        arguments.update(arguments.pop("kwargs", {}))
-        options = {"cache", "use_cache", "return_dict"}
-        inputs = {name: value for name, value in arguments.items()
-                  if name not in options and (value is None or isinstance(value, torch.Tensor))}
-        body_kwargs = {name: value for name, value in arguments.items() if name not in options and name not in inputs}
-        per_layer = set(self.per_layer_outputs) | {CACHE_FIELD}
-
-        def head(outputs, inputs, head_inputs, outputs_needed):
-            return {name: value for name, value in outputs.items() if name not in per_layer}
-
-        return self._forward_with_head(
-            self, inputs, {}, head, self.output_class,
-            cache=arguments.get("cache"), use_cache=arguments.get("use_cache"),
-            return_dict=arguments.get("return_dict"), body_kwargs=body_kwargs,
-        )
 
     # ---- parallel plumbing -------------------------------------------------------------------
     @property
@@ -775,7 +243,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         that is not tensor parallel). Seeing it, transformers' ``Trainer`` hands accelerate a
         ``ParallelismConfig(tp_size=T, dp_shard_size=D)``, so accelerate gives the ranks of a tensor-parallel
         group the same batches, splits the data over the data-parallel replicas only and leaves the model
-        unwrapped; oslo then averages the gradients over the replicas itself (see :meth:`_forward_with_head`).
+        unwrapped; oslo then averages the gradients over the replicas itself
+        (see :func:`oslo.models.runner.forward_with_head`).
 
         Raises:
             NotImplementedError: with pipelines: transformers' ``Trainer`` and accelerate call the model once per
@@ -804,35 +273,6 @@ class OsloPreTrainedModel(PreTrainedModel):
                 "model.mpu.get_data_parallel_world_size() replicas), or use DeepSpeed (USAGE.md, 'DeepSpeed')."
             )
         return context.tensor_parallel_size
-
-    def _averages_replicas_itself(self, ddp, fsdp: bool) -> bool:
-        """Whether this call's gradients are averaged over the data-parallel replicas by oslo at the end of the
-        backward pass: at pipeline_parallel_size 1 only for a model that accelerate prepared as tensor parallel
-        (transformers' ``Trainer``), which it leaves unwrapped and whose replicas nobody else averages."""
-        context = self.parallel_context
-        return (ddp is None and not fsdp and context.data_parallel_size > 1 and context.tensor_parallel_size > 1
-                and getattr(self, "_is_accelerate_prepared", False) and torch.is_grad_enabled())
-
-    def _replica_averaging(self) -> Callable[[torch.Tensor], None]:
-        """``on_backward`` for a loss whose gradients oslo averages over the data-parallel replicas once the
-        backward pass ends (as ``DistributedDataParallel`` would); several losses in one backward average once.
-        Averaging again gradients accumulated over several batches leaves the earlier (equal) shares as they are."""
-        engine = torch.autograd.Variable._execution_engine
-
-        def average() -> None:
-            try:
-                grads = [plain(p.grad) for p in self.parameters() if p.grad is not None]
-                average_over_replicas(grads, self.parallel_context)
-            finally:
-                self._replica_averaging_pending = False
-
-        def on_backward(grad: torch.Tensor) -> None:
-            if self.__dict__.get("_replica_averaging_pending"):
-                return
-            self._replica_averaging_pending = True
-            engine.queue_callback(average)
-
-        return on_backward
 
     @property
     def device_mesh(self):
@@ -913,7 +353,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         with self._user_call(args, kwargs) as outermost:
             if outermost and isinstance(self, StagedBody) and not self.head_runs_stages \
                     and self.parallel_context.pipeline_parallel_size > 1:
-                return self._pipelined_body_call(*args, **kwargs)
+                return runner.pipelined_body_call(self, *args, **kwargs)
             return super().__call__(*args, **kwargs)
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool | None = None, **kwargs):
@@ -1060,21 +500,6 @@ class OsloPreTrainedModel(PreTrainedModel):
             "from_pretrained_with_parallel (or from_config_with_parallel) to build the model at that size."
         )
 
-    def _distribute(self) -> None:
-        """The last step of a build: with several processes the parameters become DTensors on the
-        tensor-parallel mesh (see :mod:`oslo.parallel.dtensor`), at tensor_parallel_size 1 too, so that a
-        distributed checkpoint holds the same tensors, of the same shapes, at every layout."""
-        if self.parallel_context.world_size > 1:
-            distribute_parameters(self, self.parallel_context)
-        context = self.parallel_context
-        if context.tensor_parallel_size > 1 and context.pipeline_parallel_size == 1:
-            # transformers' record of how a loaded model is distributed (never saved: to_dict drops it). Its
-            # Trainer reads the data-parallel size here once `tp_size` says the model is tensor parallel.
-            from transformers.distributed import DistributedConfig
-
-            self.config.distributed_config = DistributedConfig(
-                tp_size=context.tensor_parallel_size, dp_replicate_size=context.data_parallel_size)
-
     # ---- activation checkpointing ------------------------------------------------------------
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
@@ -1153,7 +578,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             return torch.zeros(global_shape)
         # A tie target on another stage than its source (lm_head.weight) starts as the source does.
         # (Only tie targets can be copies: the map walks every parameter, so do not build it for each.)
-        seed_name = self.cross_stage_tied_copies().get(name, name) if name in self._tie_targets() else name
+        seed_name = self.cross_stage_tied_copies().get(name, name) if name in ties.tie_targets(self) else name
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(seed_name.encode())) % (2**63))
         return torch.empty(global_shape).normal_(0.0, std, generator=generator)
 
@@ -1163,22 +588,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             return full
         return spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
 
-    # ---- construction ------------------------------------------------------------------------
-    @classmethod
-    def _build(cls, config: PretrainedConfig, context: ParallelContext, dtype: torch.dtype,
-               attn_implementation: str | None):
-        if attn_implementation is not None:
-            config._attn_implementation = attn_implementation
-        with torch.device("meta"):
-            model = cls(config, parallel_context=context)  # its stages' layers: see pipeline_partition
-        # Only this rank's shards are ever allocated. Leaving meta creates new parameter objects,
-        # which unties shared weights: tie them again.
-        model = model.to(dtype).to_empty(device=context.device)
-        model.tie_weights()
-        model._build_tie_groups()
-        model._initialize_buffers()
-        return model
-
+    # ---- construction (see oslo.models.build) ------------------------------------------------
     def _init_buffers(self, module: nn.Module) -> None:
         """Give ``module``'s own buffers their values (an architecture with buffers overrides this, as
         transformers' ``_init_weights`` does for them: BERT's ``position_ids``, GPT-Neo's attention masks).
@@ -1186,26 +596,6 @@ class OsloPreTrainedModel(PreTrainedModel):
         The model is built on the meta device, where a buffer computed in ``__init__`` (``torch.arange``)
         gets no values; leaving meta allocates it uninitialized. Called once per module after the build.
         """
-
-    @torch.no_grad()
-    def _initialize_buffers(self) -> None:
-        """Run :meth:`_init_buffers` on every module, and refuse a buffer it left unset (neither written
-        in place nor replaced: its version counter and identity are unchanged), rather than let
-        uninitialized memory reach a forward pass."""
-        before = {name: (buffer, buffer._version) for name, buffer in self.named_buffers() if buffer.numel()}
-        if not before:
-            return
-        for module in self.modules():
-            self._init_buffers(module)
-        after = dict(self.named_buffers())
-        unset = [name for name, (buffer, version) in before.items()
-                 if after.get(name) is buffer and buffer._version == version]
-        if unset:
-            raise NotImplementedError(
-                f"{type(self).__name__} has buffers that nothing initializes after the meta-device build: {unset}. "
-                f"Give them their values in {type(self).__name__}._init_buffers(module) (as transformers' "
-                "_init_weights does for buffers)."
-            )
 
     @classmethod
     def from_config_with_parallel(
@@ -1248,43 +638,11 @@ class OsloPreTrainedModel(PreTrainedModel):
             The model, in training mode as transformers' ``from_config`` leaves it (with ``deployment=True``:
             a :class:`~oslo.deployment.DeployedModel`).
         """
-        if deployment:
-            from oslo.deployment import deploy
-
-            return deploy(cls, "from_config_with_parallel", (config,), dict(
-                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
-                dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-                parallel_context=parallel_context, timeout=timeout))
-        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
-        dtype = _resolve_dtype(dtype, torch_dtype)
-        dtype = torch.float32 if dtype in (None, "auto") else dtype
-        if not isinstance(config, cls.config_class):
-            raise TypeError(
-                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}: "
-                f"the architectures differ. Pass a {cls.config_class.__name__}, or use the class for "
-                f"{type(config).__name__}."
-            )
-        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
-        if resize_token_embeddings is not None:
-            config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
-        cls._validate_parallel_config(config, tp)
-        context = cls._context(parallel_context, tp, pp, seed, timeout)
-        model = cls._build(config, context, dtype, attn_implementation)
-        model.set_micro_batch_size(micro_batch_size)
-
-        def initialize():
-            specs = parameter_specs(model)
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    spec = specs[name]
-                    global_shape = spec.global_shape(param.shape) if spec else tuple(param.shape)
-                    param.copy_(model._seeded_local_init(name, spec, global_shape))
-
-        run_on_all_ranks(context, initialize, "initializing the model")
-        model._distribute()
-        return model
+        return build.from_config_with_parallel(
+            cls, config, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
+            dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
+            parallel_context=parallel_context, timeout=timeout, deployment=deployment)
 
     @classmethod
     def from_pretrained_with_parallel(
@@ -1349,136 +707,12 @@ class OsloPreTrainedModel(PreTrainedModel):
             The model in evaluation mode, as transformers' ``from_pretrained`` returns it (with
             ``deployment=True``: a :class:`~oslo.deployment.DeployedModel`).
         """
-        if deployment:
-            from oslo.deployment import deploy
-
-            return deploy(cls, "from_pretrained_with_parallel", (pretrained_model_name_or_path,), dict(
-                tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
-                dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-                parallel_context=parallel_context, timeout=timeout, config=config, **kwargs))
-        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
-        dtype = _resolve_dtype(dtype, torch_dtype)
-        hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
-        path = os.fspath(pretrained_model_name_or_path)
-        context = None
-        if hub.is_hub_name(path):  # every rank resolves it together: the context comes first
-            context = cls._context(parallel_context, tp, pp, seed, timeout)
-        path = hub.resolve_checkpoint(path, context, **hub_options)
-        checkpoint = ckpt.inspect_checkpoint(path)
-        config, unused = cls._load_config(path, config, kwargs)
-        if unused:
-            raise TypeError(
-                f"{cls.__name__}.from_pretrained_with_parallel got unexpected keyword argument(s) "
-                f"{sorted(unused)}: they are neither oslo options nor attributes of {type(config).__name__}."
-            )
-        ckpt.complete_legacy_index(checkpoint, cls, config)  # the original OSLO's split files: no index
-        if resize_token_embeddings is not None:
-            config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
-        cls._validate_parallel_config(config, tp)
-        if dtype in (None, "auto"):
-            dtype = getattr(config, "dtype", None) or ckpt.checkpoint_dtype(checkpoint) or torch.float32
-            dtype = _resolve_dtype(dtype, None)
-
-        if context is None:
-            context = cls._context(parallel_context, tp, pp, seed, timeout)
-        model = cls._build(config, context, dtype, attn_implementation)
-        model.set_micro_batch_size(micro_batch_size)
-        ckpt.load_checkpoint(
-            model, checkpoint, model._seeded_local_init, allow_vocab_resize=resize_token_embeddings is not None
-        )
-        model.eval()
-        model._distribute()
-        return model
-
-    @classmethod
-    def _load_config(cls, path: str, config: PretrainedConfig | None, overrides: dict) -> tuple[PretrainedConfig, dict]:
-        """The config of the checkpoint at ``path`` (or the one given) with ``overrides`` applied, and the
-        overrides that are not config attributes. Refuses a checkpoint of another architecture."""
-        expected = cls.config_class.model_type
-        if config is None:
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise FileNotFoundError(
-                    f"{path!r} has no config.json (a checkpoint saved with save_config=False?): the weights alone "
-                    f"do not say the model's sizes. Pass config={cls.config_class.__name__}(...) (or "
-                    f"{cls.config_class.__name__}.from_pretrained(dir_with_config_json)) to "
-                    "from_pretrained_with_parallel, or copy the model's config.json into the directory."
-                )
-            found = PretrainedConfig.get_config_dict(path)[0].get("model_type")
-            if found is not None and found != expected:
-                raise ValueError(
-                    f"{path!r} holds a {found!r} checkpoint, but {cls.__name__} is a {expected!r} model: the "
-                    f"architectures differ, so its weights cannot be loaded. Load it with the class for {found!r}."
-                )
-            return cls.config_class.from_pretrained(path, return_unused_kwargs=True, **overrides)
-        if not isinstance(config, cls.config_class):
-            raise TypeError(
-                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}."
-            )
-        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
-        unused = {}
-        for name, value in overrides.items():
-            if hasattr(config, name):
-                setattr(config, name, value)
-            else:
-                unused[name] = value
-        return config, unused
-
-    @classmethod
-    def _from_state_dict_with_parallel(
-        cls,
-        config: PretrainedConfig,
-        state_dict: dict[str, torch.Tensor],
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        dtype: torch.dtype | None = None,
-        attn_implementation: str | None = None,
-        source: str = "the given state dict",
-    ):
-        """The model split across ranks, each rank copying only its slices of ``state_dict`` (full tensors under
-        transformers' names, e.g. a transformers model's parameters: :func:`oslo.initialize`). Parameters the
-        dict lacks are initialized from the seed, with a warning naming them (as a checkpoint load does).
-
-        Args:
-            config: The model's config (copied; the caller's stays as it was).
-            state_dict: ``{name: full tensor}``; every rank reads only its slices of it.
-            dtype: Parameter dtype (default float32).
-            source: A few words naming where the tensors come from, for messages.
-
-        Returns:
-            The model, in training mode (set the mode you need).
-        """
-        tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
-        pp = validate_pipeline_size(cls, pipeline_parallel_size, 1)
-        dtype = _resolve_dtype(dtype, None)
-        dtype = torch.float32 if dtype in (None, "auto") else dtype
-        if not isinstance(config, cls.config_class):
-            raise TypeError(
-                f"config must be a {cls.config_class.__name__} for {cls.__name__}, got {type(config).__name__}."
-            )
-        config = config.__class__.from_dict(config.to_dict())  # the caller's config stays as it was
-        cls._validate_parallel_config(config, tp)
-        context = cls._context(None, tp, pp, None)
-        model = cls._build(config, context, dtype, attn_implementation)
-        checkpoint = ckpt.Checkpoint(directory=source, kind="memory", files=[], state_dict=state_dict)
-        ckpt.load_checkpoint(model, checkpoint, model._seeded_local_init)
-        model._distribute()
-        return model
-
-    @staticmethod
-    def _context(
-        parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None, timeout=None
-    ) -> ParallelContext:
-        if parallel_context is None:
-            return ParallelContext(tp, pp, seed=seed, timeout=timeout)
-        if (parallel_context.tensor_parallel_size, parallel_context.pipeline_parallel_size) != (tp, pp):
-            raise ValueError(
-                f"parallel_context has tensor_parallel_size={parallel_context.tensor_parallel_size}, "
-                f"pipeline_parallel_size={parallel_context.pipeline_parallel_size} but tensor_parallel_size={tp}, "
-                f"pipeline_parallel_size={pp} were requested; pass matching sizes."
-            )
-        return parallel_context
+        return build.from_pretrained_with_parallel(
+            cls, pretrained_model_name_or_path, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, micro_batch_size=micro_batch_size,
+            resize_token_embeddings=resize_token_embeddings, seed=seed, dtype=dtype, torch_dtype=torch_dtype,
+            attn_implementation=attn_implementation, parallel_context=parallel_context, timeout=timeout,
+            config=config, deployment=deployment, **kwargs)
 
     # ---- saving ------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):

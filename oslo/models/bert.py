@@ -70,6 +70,7 @@ from oslo.models.heads import (
     gather_logits_by_default,
     logits_are_private,
 )
+from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
@@ -703,7 +704,8 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
                 return {}
             return {"loss": torch.stack([class_items(batch["labels"]), class_items(batch["next_sentence_label"])])}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.bert,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels, "next_sentence_label": next_sentence_label},
@@ -818,7 +820,8 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
                 loss = LossSum(F.cross_entropy(logits.view(-1, 2), labels.view(-1), reduction="sum"))
             return {"loss": loss, "logits": logits}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.bert,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},

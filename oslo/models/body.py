@@ -18,7 +18,7 @@ A body declares four steps, and its ``forward`` is their composition, readable a
 * ``finish(payload, state)`` (last stage) applies what follows the layers and returns the body's
   ``ModelOutput``.
 
-The pipeline runner (:meth:`~oslo.models.base.OsloPreTrainedModel._forward_with_head`), not the model,
+The pipeline runner (:func:`~oslo.models.runner.forward_with_head`), not the model,
 knows stages: it calls ``prepare`` on every stage, ``embed`` on the first, passes the payload between
 stages, and calls ``finish`` and the head on the last. Nothing in a model file mentions stages except
 which modules a stage builds (``if first`` / ``if last``) and its ``StageLayers``.

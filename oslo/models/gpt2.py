@@ -51,6 +51,7 @@ from oslo.models.heads import (
     logits_are_private,
     output_class_for,
 )
+from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
@@ -479,7 +480,8 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
                 items["mc_loss"] = class_items(batch["mc_labels"])
             return items
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.transformer,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"mc_token_ids": mc_token_ids, "labels": labels, "mc_labels": mc_labels},

@@ -4,7 +4,7 @@ A head is a mixin: an architecture's class declares it before its pre-trained ba
 ``class GPT2ForTokenClassification(TokenClassificationHead, GPT2PreTrainedModel)``, and builds it in
 ``__init__`` after its body (``self._build_..._head(config)``). The head's ``forward`` runs the body
 (``self.base_model``, the module named by ``base_model_prefix``) through
-:meth:`~oslo.models.base.OsloPreTrainedModel._forward_with_head`, so tensor and pipeline parallelism,
+:func:`~oslo.models.runner.forward_with_head`, so tensor and pipeline parallelism,
 loss averaging over micro-batches and replicas, and the input checks are the same for every model.
 The heads' layers are small and replicated, and live on the last pipeline stage only.
 
@@ -37,8 +37,8 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
-from oslo.models.base import logits_not_gathered
 from oslo.models.compat import accepts_legacy_cache_name
+from oslo.models.runner import forward_with_head, logits_not_gathered
 from oslo.parallel.dtensor import has_user_forward_hooks
 from oslo.parallel.layers import VocabParallelLMHead
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
@@ -188,7 +188,8 @@ class CausalLMHead(VocabularyHead):
             logits = projection.gather(local_logits) if gather and outputs_needed else None
             return {"loss": loss, "logits": logits}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
@@ -253,7 +254,8 @@ class Seq2SeqLMHead(VocabularyHead):
                 decoder_input_ids = self._shift_right(labels)
         gather = gather_logits_by_default(self, gather_logits, labels)
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             seq2seq_body_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
                                 decoder_inputs_embeds, encoder_outputs),
@@ -316,7 +318,8 @@ class TokenClassificationHead(ClassifierDropout):
                 loss = LossSum(F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1), reduction="sum"))
             return {"loss": loss, "logits": logits}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             inputs,
             {"labels": labels},
@@ -438,7 +441,8 @@ class SequenceClassificationHead:
                                                                 head_inputs["labels"]))
             return {"loss": loss, "logits": pooled_logits}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             inputs,
             {"labels": labels},
@@ -510,7 +514,8 @@ class QuestionAnsweringHead:
             return {"loss": torch.stack([class_items(answer_positions(batch[name], length), length)
                                          for name in ("start_positions", "end_positions")])}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             inputs,
             {"start_positions": start_positions, "end_positions": end_positions},
@@ -585,7 +590,8 @@ class MaskedLMHead(VocabularyHead):
             check_labels(labels, self.config.vocab_size)  # every rank, before any communication
         gather = gather_logits_by_default(self, gather_logits, labels)
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
@@ -641,7 +647,8 @@ class MultipleChoiceHead(ClassifierDropout):
                 loss = LossSum(F.cross_entropy(logits, labels.view(-1), reduction="sum"))
             return {"loss": loss, "logits": logits}
 
-        return self._forward_with_head(
+        return forward_with_head(
+            self,
             self.base_model,
             body_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds),
             {"labels": labels},
