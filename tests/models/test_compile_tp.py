@@ -1,4 +1,5 @@
-"""``torch.compile(model, fullgraph=True)`` on every class of the zoo at tensor_parallel_size 2 (two gloo ranks):
+"""``torch.compile(model, fullgraph=True)`` on every class of the zoo at tensor_parallel_size 2 (two gloo ranks; of
+Qwen2 and Mistral, whose heads are Llama's classes, the causal LMs):
 the training call and the inference call trace without a graph break and give the eager call's loss, outputs and
 gradients, as ``tests/models/test_compile.py`` checks at size 1 (each architecture's anchor class's training call
 through AOTAutograd, the other classes' with Dynamo's graph run as it is).
@@ -19,10 +20,10 @@ import oslo
 from oslo.parallel import InputMismatchError
 from oslo.parallel.dtensor import plain
 from tests.distributed import run_distributed
-from tests.models.test_compile import _small_config, assert_same_gradients
-from tests.models.zoo import all_cases, compare_outputs
+from tests.models.test_compile import CASES, _small_config, assert_same_gradients
+from tests.models.zoo import compare_outputs
 
-ARCHS = list(dict.fromkeys(case.arch for case in all_cases()))
+ARCHS = list(dict.fromkeys(case.arch for case in CASES))
 
 
 def _local_grads(model) -> dict[str, torch.Tensor | None]:
@@ -31,7 +32,7 @@ def _local_grads(model) -> dict[str, torch.Tensor | None]:
 
 def _compiled_equal_eager(rank, world_size, arch):
     checked = []
-    for case in (c for c in all_cases() if c.arch == arch):
+    for case in (c for c in CASES if c.arch == arch):
         torch._dynamo.reset()
         model = getattr(oslo, case.name).from_config_with_parallel(
             _small_config(case), tensor_parallel_size=2, seed=0).train()
@@ -58,7 +59,7 @@ def _compiled_equal_eager(rank, world_size, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_calls_equal_eager_at_tp2(arch):
-    expected = [case.key for case in all_cases() if case.arch == arch]
+    expected = [case.key for case in CASES if case.arch == arch]
     assert run_distributed(_compiled_equal_eager, 2, arch, timeout=900) == [expected, expected]
 
 
