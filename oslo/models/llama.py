@@ -384,6 +384,10 @@ class LlamaModel(StagedBody, LlamaPreTrainedModel):
         )
 
 
+# The heads' forwards take their arguments in the order of transformers' Llama classes (input_ids, attention_mask,
+# position_ids, cache, inputs_embeds, targets, ...), which differs from GPT2's the shared heads follow.
+
+
 class LlamaForCausalLM(CausalLMHead, LlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _lm_output_class = CausalLMOutputWithPast
@@ -395,6 +399,13 @@ class LlamaForCausalLM(CausalLMHead, LlamaPreTrainedModel, GenerationMixin):
         self._build_lm_head(config)
         self.post_init()
 
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        """As transformers' ``LlamaForCausalLM.forward``; see :class:`~oslo.models.heads.CausalLMHead`."""
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               logits_to_keep=logits_to_keep, **kwargs)
+
 
 class LlamaForSequenceClassification(SequenceClassificationHead, LlamaPreTrainedModel):
     _body_class = LlamaModel
@@ -404,6 +415,12 @@ class LlamaForSequenceClassification(SequenceClassificationHead, LlamaPreTrained
         self.model = self._body_class(config, self.parallel_context)
         self._build_sequence_classification_head(config)
         self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, **kwargs):
+        """As transformers' ``LlamaForSequenceClassification.forward``."""
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
 
 
 class LlamaForTokenClassification(TokenClassificationHead, LlamaPreTrainedModel):
@@ -416,6 +433,12 @@ class LlamaForTokenClassification(TokenClassificationHead, LlamaPreTrainedModel)
         self._build_token_classification_head(config)
         self.post_init()
 
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, **kwargs):
+        """As transformers' ``LlamaForTokenClassification.forward``."""
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
+
 
 class LlamaForQuestionAnswering(QuestionAnsweringHead, LlamaPreTrainedModel):
     base_model_prefix = "transformer"  # as transformers names it for these heads
@@ -426,6 +449,14 @@ class LlamaForQuestionAnswering(QuestionAnsweringHead, LlamaPreTrainedModel):
         setattr(self, self.base_model_prefix, self._body_class(config, self.parallel_context))
         self._build_question_answering_head(config)
         self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                start_positions=None, end_positions=None, **kwargs):
+        """As transformers' ``LlamaForQuestionAnswering.forward`` (a question-answering call keeps no KV cache:
+        ``cache`` is not used)."""
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               inputs_embeds=inputs_embeds, start_positions=start_positions,
+                               end_positions=end_positions, **kwargs)
 
 
 __all__ = [

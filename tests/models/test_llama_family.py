@@ -48,3 +48,27 @@ def _pipelined_mixed(rank, world_size):
 def test_mixed_layers_with_pipelines_are_refused_on_every_rank():
     with pytest.raises(RankError, match="full and sliding-window layers .* pipeline_parallel_size=1 only"):
         run_distributed(_pipelined_mixed, 2, timeout=60)
+
+
+@pytest.mark.parametrize("name, targets", [("LlamaForCausalLM", "labels"), ("Qwen2ForSequenceClassification", "labels"),
+                                           ("MistralForTokenClassification", "labels"),
+                                           ("LlamaForQuestionAnswering", "start_positions")])
+def test_positional_arguments_in_transformers_order(tmp_path, name, targets):
+    """``model(input_ids, attention_mask, position_ids, cache, inputs_embeds, <targets>)``: the order of
+    transformers' Llama-family classes (not GPT2's, ``input_ids, past_key_values, attention_mask...``)."""
+    family = {"Llama": transformers.LlamaConfig, "Qwen2": transformers.Qwen2Config,
+              "Mistral": transformers.MistralConfig}[name.split("For")[0]]
+    torch.manual_seed(0)
+    reference = getattr(transformers, name)(tiny_config(family, num_labels=3)).eval()
+    reference.save_pretrained(tmp_path)
+    model = getattr(oslo, name).from_pretrained_with_parallel(tmp_path).eval()
+    batch = lm_batch()
+    target = {"labels": batch["labels"] if name.endswith("CausalLM") else
+              torch.tensor([0, 2, 1, 2]) if "Sequence" in name else batch["labels"].clamp(max=2),
+              "start_positions": torch.tensor([1, 4, 7, 0])}[targets]
+    args = (batch["input_ids"], batch["attention_mask"], None, None, None, target)
+    if targets == "start_positions":
+        args += (torch.tensor([3, 9, 11, 2]),)  # end_positions
+    expected, actual = reference(*args), model(*args)
+    assert expected.loss is not None
+    torch.testing.assert_close(actual.loss, expected.loss)
