@@ -65,10 +65,11 @@ from oslo.models.heads import (
     QuestionAnsweringHead,
     SequenceClassificationHead,
     TokenClassificationHead,
+    VocabularyHead,
     body_inputs,
     class_items,
     gather_logits_by_default,
-    logits_are_private,
+    vocabulary_loss,
 )
 from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
@@ -634,7 +635,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         )
 
 
-class _BertPredictions:
+class _BertPredictions(VocabularyHead):
     """The masked-LM prediction head ``cls.predictions`` as the vocabulary heads use it."""
 
     _tied_weights_keys = {
@@ -642,8 +643,8 @@ class _BertPredictions:
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     }
 
-    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.cls.predictions(hidden_states)  # (..., V_local)
+    def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.cls.predictions.transform(hidden_states)
 
     def _vocab_projection(self) -> VocabParallelLMHead:
         return self.cls.predictions.decoder
@@ -685,18 +686,19 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
         gather = gather_logits_by_default(self, gather_logits, labels)
 
         def head(outputs, inputs, head_inputs, outputs_needed):
-            local_logits = self._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
+            returned = gather and outputs_needed
             seq_relationship_logits = self.cls.seq_relationship(outputs.pooler_output)  # (B, 2)
             loss = None
             labels, next_sentence = head_inputs["labels"], head_inputs["next_sentence_label"]
-            if labels is not None and next_sentence is not None:
-                masked_lm = MaskedLMHead._masked_lm_loss_sum(
-                    self._vocab_projection(), local_logits, labels,
-                    overwrite_logits=logits_are_private(self, gather and outputs_needed))
+            if next_sentence is None:
+                labels = None  # (transformers' loss needs both)
+            masked_lm, local_logits = vocabulary_loss(self, outputs.last_hidden_state, labels, returned=returned,
+                                                      shift=False)
+            if labels is not None:
                 next_sentence = next_sentence.to(seq_relationship_logits.device)
                 nsp = F.cross_entropy(seq_relationship_logits.view(-1, 2), next_sentence.view(-1), reduction="sum")
                 loss = LossSum(torch.stack([masked_lm.float(), nsp.float()]), weights=(1.0, 1.0))
-            logits = self._vocab_projection().gather(local_logits) if gather and outputs_needed else None
+            logits = self._vocab_projection().gather(local_logits) if returned else None
             return {"loss": loss, "prediction_logits": logits, "seq_relationship_logits": seq_relationship_logits}
 
         def loss_items(batch):

@@ -45,11 +45,12 @@ from oslo.models.heads import (
     QuestionAnsweringHead,
     SequenceClassificationHead,
     TokenClassificationHead,
+    VocabularyHead,
     body_inputs,
     class_items,
     gather_logits_by_default,
-    logits_are_private,
     output_class_for,
+    vocabulary_loss,
 )
 from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
@@ -407,7 +408,7 @@ class GPT2LMHeadModel(CausalLMHead, GPT2PreTrainedModel, GenerationMixin):
         self.post_init()
 
 
-class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
+class GPT2DoubleHeadsModel(VocabularyHead, GPT2PreTrainedModel, GenerationMixin):
     """Under pipeline parallelism, training steps backpropagate the language-modeling loss (``labels``);
     ``mc_labels`` there raise, since every stage must backpropagate the same single loss."""
 
@@ -457,19 +458,17 @@ class GPT2DoubleHeadsModel(GPT2PreTrainedModel, GenerationMixin):
 
         def head(outputs, inputs, head_inputs, outputs_needed):
             hidden_states = outputs.last_hidden_state  # (B, choices, T, C)
-            local_logits = self.lm_head(hidden_states)
+            returned = gather and outputs_needed
+            lm_loss, local_logits = vocabulary_loss(self, hidden_states, head_inputs["labels"], returned=returned,
+                                                    shift=True)
             mc_logits = self.multiple_choice_head(hidden_states, head_inputs["mc_token_ids"]).squeeze(-1)
             mc_loss = None
             if head_inputs["mc_labels"] is not None:
                 mc_labels = head_inputs["mc_labels"].to(mc_logits.device)
                 mc_loss = LossSum(F.cross_entropy(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1),
                                                   reduction="sum"))
-            lm_loss = None
-            if head_inputs["labels"] is not None:
-                lm_loss = LossSum(self.lm_head.causal_lm_loss(
-                    local_logits, head_inputs["labels"], reduction="sum",
-                    overwrite_logits=logits_are_private(self, gather and outputs_needed)))
-            logits = self.lm_head.gather(local_logits) if gather and outputs_needed else None
+            lm_loss = None if lm_loss is None else LossSum(lm_loss)
+            logits = self.lm_head.gather(local_logits) if returned else None
             return {"loss": lm_loss, "mc_loss": mc_loss, "logits": logits, "mc_logits": mc_logits}
 
         def loss_items(batch):

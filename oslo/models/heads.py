@@ -39,12 +39,14 @@ from transformers.modeling_outputs import (
 
 from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.runner import forward_with_head, logits_not_gathered
-from oslo.parallel.dtensor import has_user_forward_hooks
+from oslo.parallel.dtensor import has_user_forward_hooks, has_user_hooks
 from oslo.parallel.layers import VocabParallelLMHead
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels, vocab_parallel_cross_entropy
 
 __all__ = [
     "VocabularyHead",
+    "fused_loss_applies",
+    "vocabulary_loss",
     "CausalLMHead",
     "MaskedLMHead",
     "MultipleChoiceHead",
@@ -114,11 +116,49 @@ def output_class_for(model: nn.Module, output_class: type, gather: bool, gather_
     return logits_not_gathered(output_class)
 
 
+def fused_loss_applies(model: nn.Module, projection: nn.Module, returned: bool) -> bool:
+    """Whether a language-modeling loss may come straight from the hidden states
+    (:func:`~oslo.parallel.loss.linear_cross_entropy`: the logits never built): nothing reads the logits (they
+    are not ``returned``, no forward hook of the user's could keep them), the projection is oslo's own (not
+    wrapped, e.g. by an adapter), ``model.loss_chunk_size`` is not 0, and the call is not being traced by
+    ``torch.compile`` (which plans the logits' buffers itself)."""
+    return (getattr(model, "loss_chunk_size", None) != 0 and type(projection) is VocabParallelLMHead
+            and not has_user_hooks(projection) and logits_are_private(model, returned)
+            and not torch.compiler.is_compiling())
+
+
+def vocabulary_loss(model: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor | None, *,
+                    returned: bool, shift: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The summed cross entropy of a language-modeling head (labels shifted for next-token prediction when
+    ``shift``; ``None`` without labels) and this rank's vocabulary columns of the logits (``None`` when they
+    were not built: see :func:`fused_loss_applies`). ``returned``: the logits are gathered for the output."""
+    projection = model._vocab_projection()
+    if labels is not None and fused_loss_applies(model, projection, returned):
+        return projection.loss_from_features(model._lm_features(hidden_states), labels, shift=shift,
+                                             chunk_rows=model.loss_chunk_size), None
+    local_logits = model._lm_logits(hidden_states)  # (..., V_local)
+    if labels is None:
+        return None, local_logits
+    overwrite = logits_are_private(model, returned)
+    if shift:
+        return projection.causal_lm_loss(local_logits, labels, reduction="sum", overwrite_logits=overwrite), \
+            local_logits
+    return MaskedLMHead._masked_lm_loss_sum(projection, local_logits, labels, overwrite_logits=overwrite), \
+        local_logits
+
+
 class VocabularyHead:
     """What the language-modeling heads share: ``self.lm_head``, a
     :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage (tied to the input embeddings through
-    ``_tied_weights_keys``) built by :meth:`_build_lm_head`, and the two hooks an architecture overrides
-    when its prediction is more than that projection (BERT's transform + decoder, T5's output scaling)."""
+    ``_tied_weights_keys``) built by :meth:`_build_lm_head`, and the hooks an architecture overrides
+    when its prediction is more than that projection (BERT's transform before its decoder, T5's output scaling).
+
+    A training call's loss is computed from the hidden states a chunk of tokens at a time, never building the
+    logits, when nothing asks for them (see :func:`fused_loss_applies`). ``loss_chunk_size`` sets the tokens
+    per chunk: ``None`` (the default) chooses from the shapes (:func:`~oslo.parallel.loss.loss_chunk_rows`),
+    ``0`` builds the whole logits as an evaluation call does."""
+
+    loss_chunk_size: int | None = None
 
     def _build_lm_head(self, config, bias: bool = False) -> None:
         last = self.parallel_context.is_pipeline_last_stage()
@@ -127,9 +167,13 @@ class VocabularyHead:
             if last else None
         )
 
+    def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the vocabulary projection reads: the body's last hidden states, as they are by default."""
+        return hidden_states
+
     def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
-        return self.lm_head(hidden_states)
+        return self._vocab_projection()(self._lm_features(hidden_states))
 
     def _vocab_projection(self) -> VocabParallelLMHead:
         """The vocabulary-split projection (its vocabulary range, group, losses and ``gather``)."""
@@ -178,15 +222,11 @@ class CausalLMHead(VocabularyHead):
         gather = gather_logits_by_default(self, gather_logits, labels)
 
         def head(outputs, inputs, head_inputs, outputs_needed):
-            projection = self._vocab_projection()
-            local_logits = self._lm_logits(keep_last(outputs.last_hidden_state, logits_to_keep))  # (B, T, V_local)
-            loss = None
-            if head_inputs["labels"] is not None:
-                loss = LossSum(projection.causal_lm_loss(
-                    local_logits, head_inputs["labels"], reduction="sum",
-                    overwrite_logits=logits_are_private(self, gather and outputs_needed)))
-            logits = projection.gather(local_logits) if gather and outputs_needed else None
-            return {"loss": loss, "logits": logits}
+            returned = gather and outputs_needed
+            loss, local_logits = vocabulary_loss(self, keep_last(outputs.last_hidden_state, logits_to_keep),
+                                                 head_inputs["labels"], returned=returned, shift=True)
+            logits = self._vocab_projection().gather(local_logits) if returned else None
+            return {"loss": None if loss is None else LossSum(loss), "logits": logits}
 
         return forward_with_head(
             self,
@@ -221,7 +261,7 @@ class Seq2SeqLMHead(VocabularyHead):
 
     The loss is the vocabulary-parallel cross entropy of :class:`MaskedLMHead` (unshifted, never gathering
     the logits); the logits are gathered for the output as :class:`CausalLMHead` does. The projection and its
-    hooks: :class:`VocabularyHead` (T5 overrides :meth:`_lm_logits` to scale the decoder's output first).
+    hooks: :class:`VocabularyHead` (T5 overrides :meth:`_lm_features` to scale the decoder's output first).
     """
 
     _lm_output_class: type = Seq2SeqLMOutput
@@ -530,20 +570,16 @@ class QuestionAnsweringHead:
 
 
 def unshifted_lm_head(model: nn.Module, gather: bool) -> Callable:
-    """The head function of :class:`MaskedLMHead` and :class:`Seq2SeqLMHead`: ``model._lm_logits`` (this rank's
-    vocabulary columns), their cross entropy against unshifted labels (never gathering them), and the full
+    """The head function of :class:`MaskedLMHead` and :class:`Seq2SeqLMHead`: the cross entropy of
+    :func:`vocabulary_loss` against unshifted labels (never gathering the logits), and the full
     logits gathered when ``gather`` and the outputs are needed."""
 
     def head(outputs, inputs, head_inputs, outputs_needed):
-        projection = model._vocab_projection()
-        local_logits = model._lm_logits(outputs.last_hidden_state)  # (B, T, V_local)
-        loss = None
-        if head_inputs["labels"] is not None:
-            loss = LossSum(MaskedLMHead._masked_lm_loss_sum(
-                projection, local_logits, head_inputs["labels"],
-                overwrite_logits=logits_are_private(model, gather and outputs_needed)))
-        logits = projection.gather(local_logits) if gather and outputs_needed else None
-        return {"loss": loss, "logits": logits}
+        returned = gather and outputs_needed
+        loss, local_logits = vocabulary_loss(model, outputs.last_hidden_state, head_inputs["labels"],
+                                             returned=returned, shift=False)
+        logits = model._vocab_projection().gather(local_logits) if returned else None
+        return {"loss": None if loss is None else LossSum(loss), "logits": logits}
 
     return head
 
@@ -552,13 +588,12 @@ class MaskedLMHead(VocabularyHead):
     """Masked language modeling: a prediction per position over a vocabulary split across tensor-parallel
     ranks, against unshifted labels (``-100``: not predicted), as transformers' ``...ForMaskedLM``.
 
-    The architecture supplies the prediction: :meth:`_lm_logits` (this rank's vocabulary columns of the
-    logits; BERT's transform + decoder tied to the word embeddings, with its own bias split by vocabulary
-    like the decoder) and :meth:`_vocab_projection` (the :class:`~oslo.parallel.layers.VocabParallelLMHead`
-    that produces them, whose vocabulary range and group the loss and the gather use), or builds a plain
-    projection (:class:`VocabularyHead`). The loss is a vocabulary-parallel cross entropy on the
-    split logits (never gathered for it); the logits are gathered for the output as
-    :class:`CausalLMHead` does (not in a training call unless ``gather_logits=True``).
+    The architecture supplies the prediction: :meth:`_lm_features` (what the projection reads; BERT's transform)
+    and :meth:`_vocab_projection` (the :class:`~oslo.parallel.layers.VocabParallelLMHead`, BERT's decoder tied
+    to the word embeddings with its own bias split by vocabulary, whose vocabulary range and group the loss and
+    the gather use), or builds a plain projection (:class:`VocabularyHead`). The loss is a vocabulary-parallel
+    cross entropy (never gathering the logits; in a training call never building them); the logits are
+    gathered for the output as :class:`CausalLMHead` does (not in a training call unless ``gather_logits=True``).
     """
 
     _masked_lm_output_class: type = MaskedLMOutput

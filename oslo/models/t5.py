@@ -816,10 +816,10 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, _T5Stacks, T5PreTrainedModel, Ge
         self._build_lm_head(config)
         self.post_init()
 
-    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if getattr(self.config, "scale_decoder_outputs", self.config.tie_word_embeddings):
             hidden_states = hidden_states * (self.model_dim**-0.5)
-        return self.lm_head(hidden_states)
+        return hidden_states
 
 
 class T5ClassificationHead(nn.Module):

@@ -57,6 +57,7 @@ __all__ = [
     "GradientSink",
     "gradient_sink",
     "has_user_forward_hooks",
+    "has_user_hooks",
     "is_distributed",
     "local",
     "local_named_parameters",
@@ -383,6 +384,16 @@ def _swap_out(module: nn.Module, args, output) -> None:
     if stack:
         for name, param in stack.pop():
             module._parameters[name] = param
+
+
+def has_user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself (not its children) has a forward or forward-pre hook other than oslo's own, or
+    a global one is registered: code that expects its ``forward`` to run (an adapter, a profiler, FSDP2's
+    gathering of the parameters)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return (any(hook is not _swap_in for hook in module._forward_pre_hooks.values())
+            or any(hook is not _swap_out for hook in module._forward_hooks.values()))
 
 
 def has_user_forward_hooks(model: nn.Module) -> bool:

@@ -14,8 +14,8 @@ from torch import nn
 
 from oslo.parallel import failure
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.dtensor import gradient_sink
-from oslo.parallel.loss import causal_lm_loss
+from oslo.parallel.dtensor import gradient_sink, local
+from oslo.parallel.loss import causal_lm_loss, linear_cross_entropy
 from oslo.parallel.mappings import (
     all_reduce,
     gather_from_tensor_parallel,
@@ -391,6 +391,19 @@ class VocabParallelLMHead(ColumnParallelLinear):
         """All-gather the vocabulary columns: ``(..., V_local)`` -> ``(..., vocab_size)``."""
         logits = gather_from_tensor_parallel(local_logits, self.group, dim=-1)
         return logits[..., : self.out_features] if logits.size(-1) != self.out_features else logits
+
+    def loss_from_features(self, features: torch.Tensor, labels: torch.Tensor, *, shift: bool = False,
+                           chunk_rows: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+        """The summed cross entropy of this projection of ``features`` against ``labels`` (shifted for next-token
+        prediction when ``shift``), a chunk of tokens at a time: the logits are never built (see
+        :func:`~oslo.parallel.loss.linear_cross_entropy`; ``chunk_rows=None`` chooses from the shapes)."""
+        if shift:
+            labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        start, stop = self.weight_spec.vocab_range()
+        bias = None if self.bias is None else local(self.bias, self.parallel_specs["bias"])
+        return linear_cross_entropy(features, local(self.weight, self.weight_spec), bias, labels, vocab_start=start,
+                                    valid_columns=stop - start, group=self.group, transposed=self.transposed,
+                                    ignore_index=ignore_index, chunk_rows=chunk_rows)
 
     def causal_lm_loss(self, local_logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         """Next-token loss of transformers' ``ForCausalLMLoss`` from this rank's logits (see ``loss.py``)."""

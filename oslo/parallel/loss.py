@@ -14,6 +14,7 @@ import torch
 
 from oslo.parallel import traced
 from oslo.parallel.collectives import group_size
+from oslo.parallel.dtensor import gradient_sink
 from oslo.parallel.mappings import all_reduce
 
 
@@ -77,6 +78,170 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad[rows, local_target] -= (~outside).to(grad.dtype)
         grad.mul_((grad_loss.masked_fill(ignored, 0.0)).unsqueeze(-1))
         return grad, None, None, None, None, None, None
+
+
+def loss_chunk_rows(rows: int, hidden_size: int, local_vocab: int) -> int:
+    """How many tokens :func:`linear_cross_entropy` takes at a time: as many as make a float32 logits chunk the
+    size of the hidden states (so the loss never holds more than they do), at least 2**23 elements (32 MiB: smaller
+    chunks would leave the matrix products too thin to run at full speed) and at least 16 rows (or all of them)."""
+    budget = max(rows * hidden_size, 1 << 23)
+    return max(1, min(rows, max(16, budget // max(local_vocab, 1))))
+
+
+def _dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """``x @ W (+ b)`` for ``W`` as ``nn.Linear`` stores it (out, in) or as ``Conv1D`` does (in, out)."""
+    if transposed:
+        return torch.addmm(bias, x, weight) if bias is not None else x @ weight
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _chunk_terms(logits, target, vocab_start, valid_columns, group, ignore_index):
+    """The cross entropy of one chunk of vocabulary-split float32 ``logits`` (a buffer of the caller's, turned
+    into the softmax in place) against ``target``: the per-token losses (0 where ignored), and what the
+    gradient needs: ``local_target`` and ``outside`` (the target is not among this rank's columns, or ignored)."""
+    padded = valid_columns < logits.size(-1)
+    row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
+    if group_size(group) > 1:
+        row_max = all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group", "max")
+    ignored = target == ignore_index
+    local_target = target - vocab_start
+    outside = (local_target < 0) | (local_target >= valid_columns) | ignored
+    local_target = local_target.masked_fill(outside, 0)
+    target_logit = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max).masked_fill(outside, 0.0)
+    exp = logits.sub_(row_max.unsqueeze(-1)).exp_()
+    if padded:
+        exp[:, valid_columns:] = 0.0
+    sum_exp = exp.sum(dim=-1)
+    if group_size(group) > 1:
+        both = all_reduce(torch.stack([target_logit, sum_exp]), group,
+                          "summing the loss terms over the tensor-parallel group")
+        target_logit, sum_exp = both[0], both[1]
+    exp.div_(sum_exp.unsqueeze(-1))
+    return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0), local_target, outside
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed cross entropy of ``x @ W (+ b)`` over this rank's vocabulary columns, a chunk of tokens
+    at a time, and its gradients with respect to ``x``, ``W`` and ``b`` (one chunk's logits live at a time: they
+    become its softmax, then the logits' gradient, which the two products of the backward pass read right away).
+    Backward: those gradients times the loss's gradient (a scalar); the input's summed over the tensor-parallel
+    group, the weight's handed to the sink of its view when it has one (the tied embedding adds its rows there)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, vocab_start, valid_columns, transposed, group, ignore_index,
+                chunk_rows, reduce_input_grad):
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        compute = torch.get_autocast_dtype(device) if autocast else weight.dtype
+        accumulate = torch.float32 if compute != torch.float64 else compute
+        weight_compute = weight.to(compute)
+        grad_x_compute = torch.empty(x.shape, dtype=compute, device=x.device)
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=accumulate, device=bias.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, x.size(0), chunk_rows):
+            x_chunk, target_chunk = x[start:start + chunk_rows], target[start:start + chunk_rows]
+            logits = _dot(x_chunk, weight, bias, transposed)
+            logits = logits.float() if logits.dtype != torch.float64 else logits
+            losses, local_target, outside = _chunk_terms(logits, target_chunk, vocab_start, valid_columns, group,
+                                                         ignore_index)
+            total += losses.sum()
+            grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
+            rows = torch.arange(grad.size(0), device=grad.device)
+            grad[rows, local_target] -= (~outside).to(grad.dtype)
+            grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0)
+            grad, x_chunk = grad.to(compute), x_chunk.to(compute)
+            if transposed:  # W (in, out): logits = x @ W
+                torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
+                grad_weight.add_((x_chunk.t() @ grad).to(accumulate))
+            else:  # W (out, in): logits = x @ W.t()
+                torch.mm(grad, weight_compute, out=grad_x_compute[start:start + chunk_rows])
+                grad_weight.add_((grad.t() @ x_chunk).to(accumulate))
+            if grad_bias is not None:
+                grad_bias.add_(grad.sum(0).to(accumulate))
+        ctx.save_for_backward(grad_x_compute.to(x.dtype), grad_weight, grad_bias)
+        ctx.group, ctx.reduce_input_grad, ctx.sink = group, reduce_input_grad, gradient_sink(weight)
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_x, grad_weight, grad_bias = ctx.saved_tensors
+        # The saved gradients are scaled in place unless the graph is kept for another backward pass.
+        kept = _graph_is_kept()
+
+        def scaled(grad):
+            return grad * grad_total.to(grad.dtype) if kept else grad.mul_(grad_total.to(grad.dtype))
+
+        grad_x = scaled(grad_x)
+        if ctx.reduce_input_grad:
+            grad_x = all_reduce(grad_x, ctx.group, "summing the input gradient over the tensor-parallel group")
+        grad_weight = scaled(grad_weight).to(ctx.weight_dtype)
+        if ctx.sink is not None:  # a tensor of this pass's own (scaled in place, or a new product)
+            ctx.sink.add(grad_weight)
+            grad_weight = None
+        if grad_bias is not None:
+            grad_bias = scaled(grad_bias).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    valid_columns: int,
+    group,
+    transposed: bool = False,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """The summed cross entropy of the vocabulary-split logits ``x @ W (+ b)`` against ``target``, computed a
+    chunk of tokens at a time, so that the logits of the whole batch never exist (the loss of
+    :func:`vocab_parallel_cross_entropy` applied to :class:`~oslo.parallel.layers.VocabParallelLMHead`'s output,
+    summed, with the same gradients).
+
+    With gradients enabled each chunk's gradients are computed as soon as its loss is (no second pass over the
+    vocabulary), so the call holds one float32 chunk of logits, the input's and the weight's gradients. Tokens
+    whose target is ``ignore_index`` are left out before any product. Per chunk the tensor-parallel group runs
+    Megatron's two all-reduces (the row maximum; the target logit and the exp-sum); the backward pass one
+    (the input's gradient).
+
+    Args:
+        x: ``(..., H)`` the projection's input, the same on every rank of ``group``.
+        weight: This rank's vocabulary slice of the projection: ``(V_local, H)``, or ``(H, V_local)`` when
+            ``transposed`` (``Conv1D``'s layout).
+        bias: ``(V_local,)`` or ``None``.
+        target: ``(...)`` global token ids.
+        vocab_start, valid_columns, group, ignore_index: as for :func:`vocab_parallel_cross_entropy`.
+        chunk_rows: Tokens per chunk (``None``: :func:`loss_chunk_rows` of the shapes).
+
+    Returns:
+        A float32 scalar, the same on every rank of the group.
+    """
+    x = x.reshape(-1, x.size(-1))
+    target = target.reshape(-1).to(x.device)
+    keep = target != ignore_index
+    if not torch.compiler.is_compiling() and not bool(keep.all()):
+        x, target = x[keep], target[keep]
+    local_vocab = weight.size(1 if transposed else 0)
+    rows = chunk_rows if chunk_rows is not None else loss_chunk_rows(x.size(0), x.size(-1), local_vocab)
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be a positive number of tokens, got {rows}.")
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    if needs_grad:
+        return _LinearCrossEntropy.apply(x, weight, bias, target, vocab_start, valid_columns, transposed, group,
+                                         ignore_index, rows, group_size(group) > 1)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for start in range(0, x.size(0), rows):
+        logits = _dot(x[start:start + rows], weight, bias, transposed)
+        logits = logits.float() if logits.dtype != torch.float64 else logits
+        total += _chunk_terms(logits, target[start:start + rows], vocab_start, valid_columns, group,
+                              ignore_index)[0].sum()
+    return total
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100, classes: bool = False) -> None:

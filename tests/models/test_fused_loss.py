@@ -1,0 +1,93 @@
+"""A language-modeling loss whose logits nobody asks for is computed from the hidden states, a chunk of tokens at a
+time: every LM head of the zoo, in one process and at tensor_parallel_size=2, against transformers (loss and every
+gradient), and no tensor of the logits' shape with more rows than a chunk is ever created in the call, forward
+or backward (seen by a dispatch mode: with ``loss_chunk_size=0``, the whole logits, it sees them).
+
+Pipelines take the same path on their last stage: the zoo's pipeline layouts check those losses and gradients
+(tests/models/test_zoo.py), as does the manual's loop (``test_training_equals_one_process``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import oslo
+from tests.distributed import run_distributed
+from tests.models import zoo
+
+LM_HEADS = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "ForPreTraining",
+            "DoubleHeadsModel")
+CHUNK = 4  # tokens per chunk: fewer than any case's batch holds
+
+
+def lm_cases() -> list[zoo.Case]:
+    return [case for case in zoo.all_cases() if case.name.endswith(LM_HEADS)]
+
+
+def _plain(value) -> bool:
+    """A tensor with storage of its own (not a subclass wrapping one, such as a DTensor parameter)."""
+    return type(value) in (torch.Tensor, torch.nn.Parameter)
+
+
+class LogitsRows(TorchDispatchMode):
+    """The most rows of any new tensor (not a view of an op's input, as a weight's transpose is) whose last
+    dimension is one of ``widths`` (a rank's vocabulary columns, padded or not)."""
+
+    def __init__(self, widths: set[int]) -> None:
+        super().__init__()
+        self.widths, self.rows = widths, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _plain(t)}
+        for tensor in tree_leaves(out):
+            if (_plain(tensor) and tensor.dim() >= 2 and tensor.shape[-1] in self.widths
+                    and tensor.untyped_storage().data_ptr() not in inputs):
+                self.rows = max(self.rows, tensor.numel() // tensor.shape[-1])
+        return out
+
+
+def _check(rank: int, world_size: int, root: str) -> list[str]:
+    checked = []
+    for case in lm_cases():
+        path = os.path.join(root, case.key)
+        reference = getattr(transformers, case.name).from_pretrained(path)
+        batch = case.batch()
+        case.loss(reference(**batch)).backward()
+        model = getattr(oslo, case.name).from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
+        projection = model._vocab_projection()
+        start, stop = projection.weight_spec.vocab_range()
+        widths = {projection.weight_spec.local_size, stop - start, model.config.vocab_size}
+        labels = batch["labels"]
+        tokens = labels.numel()
+
+        model.loss_chunk_size = CHUNK
+        with LogitsRows(widths) as seen:
+            output = model(**batch, gather_logits=False)  # no logits asked for: the loss from the hidden states
+            case.loss(output).backward()
+        assert 0 < seen.rows <= CHUNK, f"{case.name}: a tensor of {seen.rows} rows of logits (chunks of {CHUNK})"
+        torch.testing.assert_close(output.loss, reference(**batch).loss,
+                                   msg=lambda m, name=case.name: f"{name} loss: {m}")
+        zoo.compare_grads(model, reference, case.name)
+
+        model.zero_grad()
+        model.loss_chunk_size = 0  # the whole logits: what the counter must see
+        with LogitsRows(widths) as seen:
+            case.loss(model(**batch, gather_logits=False)).backward()
+        assert seen.rows >= tokens, f"{case.name}: the counter missed the logits ({seen.rows} < {tokens} rows)"
+        checked.append(case.key)
+    return checked
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_loss_from_hidden_states(tmp_path, tp):
+    for case in lm_cases():
+        torch.manual_seed(0)
+        getattr(transformers, case.name)(case.config()).save_pretrained(tmp_path / case.key)
+    results = run_distributed(_check, tp, str(tmp_path), timeout=300)
+    assert results[0] == [case.key for case in lm_cases()]
