@@ -13,7 +13,13 @@ from oslo.parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from oslo.parallel.loss import causal_lm_loss, check_labels, vocab_parallel_cross_entropy
+from oslo.parallel.loss import (
+    causal_lm_loss,
+    check_labels,
+    linear_cross_entropy,
+    loss_chunk_rows,
+    vocab_parallel_cross_entropy,
+)
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -39,6 +45,8 @@ __all__ = [
     "gather_from_tensor_parallel",
     "vocab_parallel_cross_entropy",
     "causal_lm_loss",
+    "linear_cross_entropy",
+    "loss_chunk_rows",
     "check_labels",
     "clip_grad_norm_",
     "check_same_inputs",

@@ -139,6 +139,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=accumulate, device=bias.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        # The gradients are computed for the mean over the call's tokens (the usual loss: the backward pass then
+        # multiplies them by exactly 1), scaled before the products as the unfused cross entropy scales them.
+        scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(torch.float64 if accumulate == torch.float64
+                                                                     else torch.float32)
         for start in range(0, x.size(0), chunk_rows):
             x_chunk, target_chunk = x[start:start + chunk_rows], target[start:start + chunk_rows]
             logits = _dot(x_chunk, weight, bias, transposed)
@@ -149,7 +153,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
             rows = torch.arange(grad.size(0), device=grad.device)
             grad[rows, local_target] -= (~outside).to(grad.dtype)
-            grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0)
+            grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0).mul_(scale.to(grad.dtype))
             grad, x_chunk = grad.to(compute), x_chunk.to(compute)
             if transposed:  # W (in, out): logits = x @ W
                 torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
@@ -159,19 +163,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight.add_((grad.t() @ x_chunk).to(accumulate))
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(0).to(accumulate))
-        ctx.save_for_backward(grad_x_compute.to(x.dtype), grad_weight, grad_bias)
+        ctx.save_for_backward(grad_x_compute.to(x.dtype), grad_weight, grad_bias, scale)
         ctx.group, ctx.reduce_input_grad, ctx.sink = group, reduce_input_grad, gradient_sink(weight)
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_x, grad_weight, grad_bias = ctx.saved_tensors
-        # The saved gradients are scaled in place unless the graph is kept for another backward pass.
+        grad_x, grad_weight, grad_bias, scale = ctx.saved_tensors
+        # The saved gradients (of the mean) times grad_total / scale, exactly 1 for the mean's own gradient; in
+        # place unless the graph is kept for another backward pass.
         kept = _graph_is_kept()
+        factor = grad_total.to(scale.dtype) / scale
 
         def scaled(grad):
-            return grad * grad_total.to(grad.dtype) if kept else grad.mul_(grad_total.to(grad.dtype))
+            return grad * factor.to(grad.dtype) if kept else grad.mul_(factor.to(grad.dtype))
 
         grad_x = scaled(grad_x)
         if ctx.reduce_input_grad:

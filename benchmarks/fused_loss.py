@@ -1,0 +1,183 @@
+"""The loss from the hidden states (chunked, never building the logits) against today's path (the whole
+vocabulary-split logits, overwritten by the loss's softmax) and transformers: peak memory and step time of a
+training call.
+
+Workload: ``GPT2LMHeadModel`` of width ``--n-embd`` (default 128, 4 heads), ``--n-layer`` blocks (default 2), tied
+embeddings, a vocabulary of 50,257 (GPT2's) and of 128,256 (Llama 3's), ``--batch`` x ``--seq`` tokens (default
+8 x 1024), float32, dropout 0, at tp=1 and tp=2 (gloo, one torch thread per rank). Variants:
+
+* ``transformers``: transformers' ``GPT2LMHeadModel`` (tp=1 only);
+* ``oslo, logits``: ``model.loss_chunk_size = 0``, the whole logits as before;
+* ``oslo, chunked``: the default (``loss_chunk_size=None``: chunks chosen from the shapes).
+
+(a) Memory: each variant in a fresh process that builds the model and the batch, resets its peak RSS (Linux's
+VmHWM, through ``/proc/self/clear_refs``), runs one training call and ``loss.backward()``; reported: the peak RSS
+above the RSS before the call (the weights are below that line; the gradients, the activations and the loss's
+buffers above it), the worst rank at tp=2. On CUDA (``--device cuda``) the allocator's peak above what was
+allocated before the call. Goals: chunked ≤ 1/8 of ``oslo, logits`` at the 128,256 vocabulary, and ≤ 0.10 of
+transformers' at tp=1 (and per rank at tp=2).
+
+(b) Time: one process per layout holds one oslo model and alternates the two oslo variants round by round
+(``--rounds``, default 3, after a warm-up of each); a step is the training call and ``loss.backward()``; the
+median of the per-round ratios chunked / logits is reported, rank 0's clock. Goal: ≤ 1.03 on CPU.
+
+Run: ``python benchmarks/fused_loss.py`` (``--part a`` or ``b``; ``--vocab 128256`` for one vocabulary; about
+6 minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import _tp_harness as bench
+import torch
+import transformers
+
+import oslo
+
+VOCABS = (50257, 128256)
+
+
+def _config(args, vocab: int):
+    return bench.gpt2_config("small", n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, vocab_size=vocab,
+                             n_positions=max(1024, args.seq))
+
+
+def _batch(args, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+
+def _build(variant: str, config, world_size: int, device: str):
+    if variant == "transformers":
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).to(device).train()
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, tensor_parallel_size=world_size, seed=0)
+    model = model.to(device).train()
+    model.loss_chunk_size = 0 if variant == "oslo, logits" else None
+    return model
+
+
+def _memory(rank: int, world_size: int, variant: str, config, args) -> int:
+    device = args.device
+    model = _build(variant, config, world_size, device)
+    ids = _batch(args, config.vocab_size).to(device)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        bench.reset_peak_rss()
+        before = bench.proc_status("VmRSS")["VmRSS"]
+    model(input_ids=ids, labels=ids).loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    return bench.proc_status("VmHWM")["VmHWM"] - before
+
+
+def _times(rank: int, world_size: int, config, args) -> dict[str, list[float]]:
+    model = _build("oslo, chunked", config, world_size, args.device)
+    ids = _batch(args, config.vocab_size).to(args.device)
+    sizes = {"oslo, logits": 0, "oslo, chunked": None}
+
+    def step(name: str) -> float:
+        model.loss_chunk_size = sizes[name]
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    for name in sizes:
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in sizes}
+    order = list(sizes)
+    for round_index in range(args.rounds):
+        for name in order[round_index % 2:] + order[:round_index % 2]:
+            times[name].append(step(name))
+    return times
+
+
+def part_a(args) -> bool:
+    print(f"\n(a) peak memory of one training call above the memory before it ({args.batch} x {args.seq} tokens)")
+    ok = True
+    for vocab in args.vocab:
+        config = _config(args, vocab)
+        for tp in ((1, 2) if args.device == "cpu" else (1,)):
+            variants = ("transformers", "oslo, logits", "oslo, chunked") if tp == 1 else ("oslo, logits",
+                                                                                          "oslo, chunked")
+            peaks = {}
+            for variant in variants:
+                results = bench.launch(_memory, tp, variant, config, args, threads=args.threads, timeout=1800.0)
+                peaks[variant] = max(results)
+            line = "; ".join(f"{name} {bench.mib(value)}" for name, value in peaks.items())
+            ratio_today = peaks["oslo, chunked"] / peaks["oslo, logits"]
+            print(f"   vocab {vocab:>6}, tp={tp}: {line}")
+            print(f"      chunked / logits {ratio_today:.3f}", end="")
+            if tp == 1:
+                print(f"; chunked / transformers {peaks['oslo, chunked'] / peaks['transformers']:.3f}", end="")
+                args.transformers_peak[vocab] = peaks["transformers"]
+            elif vocab in args.transformers_peak:
+                print(f"; chunked per rank / transformers at tp=1 "
+                      f"{peaks['oslo, chunked'] / args.transformers_peak[vocab]:.3f}", end="")
+            print()
+            if vocab == 128256:
+                passed = ratio_today <= 1 / 8
+                if vocab in args.transformers_peak:
+                    passed = passed and peaks["oslo, chunked"] / args.transformers_peak[vocab] <= 0.10
+                print(f"      goal (≤ 1/8 of logits, ≤ 0.10 of transformers): {bench.verdict(passed)}")
+                ok = ok and passed
+    return ok
+
+
+def part_b(args) -> bool:
+    print(f"\n(b) step time (training call + backward), chunked / logits, median of {args.rounds} rounds")
+    ok = True
+    for vocab in args.vocab:
+        config = _config(args, vocab)
+        for tp in ((1, 2) if args.device == "cpu" else (1,)):
+            times = bench.launch(_times, tp, config, args, threads=args.threads, timeout=3600.0)[0]
+            ratios = [c / w for c, w in zip(times["oslo, chunked"], times["oslo, logits"], strict=True)]
+            ratio = bench.median(ratios)
+            passed = ratio <= 1.03 if args.device == "cpu" else ratio <= 1.0
+            ok = ok and passed
+            print(f"   vocab {vocab:>6}, tp={tp}: logits {bench.median(times['oslo, logits']):.3f} s, chunked "
+                  f"{bench.median(times['oslo, chunked']):.3f} s; ratio {ratio:.3f} "
+                  f"({', '.join(f'{r:.3f}' for r in ratios)}) {bench.verdict(passed)}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("a", "b", "all"), default="all")
+    parser.add_argument("--vocab", type=int, nargs="*", default=list(VOCABS))
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    args.transformers_peak = {}
+    bench.header(f"loss from the hidden states vs the whole logits, GPT2 width {args.n_embd}, {args.n_layer} blocks, "
+                 f"{args.device}")
+    ok = True
+    if args.part in ("a", "all"):
+        ok = part_a(args) and ok
+    if args.part in ("b", "all"):
+        ok = part_b(args) and ok
+    print(f"\noverall: {bench.verdict(ok)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
