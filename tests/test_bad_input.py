@@ -333,6 +333,8 @@ def _layout_cost(rank, world_size, seeds):
 
     torch.distributed.all_gather = counting  # this forked rank's module only
     oslo.parallel.ParallelContext(tensor_parallel_size=1, seed=seeds[rank])
+    # rank 0 hosts the store: it must not exit while rank 1 still builds its groups through it
+    torch.distributed.barrier()
     return gathered
 
 
