@@ -120,6 +120,14 @@ def _chunk_terms(logits, target, vocab_start, valid_columns, group, ignore_index
     return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0), local_target, outside
 
 
+def _accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b``: in place when the dtypes agree (no product-sized temporary), else cast."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_((a @ b).to(total.dtype))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward: the summed cross entropy of ``x @ W (+ b)`` over this rank's vocabulary columns, a chunk of tokens
     at a time, and its gradients with respect to ``x``, ``W`` and ``b`` (one chunk's logits live at a time: they
@@ -157,10 +165,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad, x_chunk = grad.to(compute), x_chunk.to(compute)
             if transposed:  # W (in, out): logits = x @ W
                 torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
-                grad_weight.add_((x_chunk.t() @ grad).to(accumulate))
+                _accumulate_product(grad_weight, x_chunk.t(), grad)
             else:  # W (out, in): logits = x @ W.t()
                 torch.mm(grad, weight_compute, out=grad_x_compute[start:start + chunk_rows])
-                grad_weight.add_((grad.t() @ x_chunk).to(accumulate))
+                _accumulate_product(grad_weight, grad.t(), x_chunk)
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(0).to(accumulate))
         ctx.save_for_backward(grad_x_compute.to(x.dtype), grad_weight, grad_bias, scale)
