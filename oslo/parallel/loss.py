@@ -137,7 +137,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, vocab_start, valid_columns, transposed, group, ignore_index,
-                chunk_rows, reduce_input_grad):
+                chunk_rows, reduce_input_grad, may_ignore):
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)
         compute = torch.get_autocast_dtype(device) if autocast else weight.dtype
@@ -161,7 +161,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
             rows = torch.arange(grad.size(0), device=grad.device)
             grad[rows, local_target] -= (~outside).to(grad.dtype)
-            grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0).mul_(scale.to(grad.dtype))
+            if may_ignore:
+                grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0)
+            grad.mul_(scale.to(grad.dtype))
             grad, x_chunk = grad.to(compute), x_chunk.to(compute)
             if transposed:  # W (in, out): logits = x @ W
                 torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
@@ -196,7 +198,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_weight = None
         if grad_bias is not None:
             grad_bias = scaled(grad_bias).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -238,7 +240,8 @@ def linear_cross_entropy(
     x = x.reshape(-1, x.size(-1))
     target = target.reshape(-1).to(x.device)
     keep = target != ignore_index
-    if not torch.compiler.is_compiling() and not bool(keep.all()):
+    may_ignore = torch.compiler.is_compiling()  # (a traced call cannot drop rows: it masks them)
+    if not may_ignore and not bool(keep.all()):
         x, target = x[keep], target[keep]
     local_vocab = weight.size(1 if transposed else 0)
     rows = chunk_rows if chunk_rows is not None else loss_chunk_rows(x.size(0), x.size(-1), local_vocab)
@@ -248,7 +251,7 @@ def linear_cross_entropy(
         t is not None and t.requires_grad for t in (x, weight, bias))
     if needs_grad:
         return _LinearCrossEntropy.apply(x, weight, bias, target, vocab_start, valid_columns, transposed, group,
-                                         ignore_index, rows, group_size(group) > 1)
+                                         ignore_index, rows, group_size(group) > 1, may_ignore)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, x.size(0), rows):
         logits = _dot(x[start:start + rows], weight, bias, transposed)
