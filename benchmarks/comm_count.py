@@ -363,7 +363,7 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
     head_ok = not head_fwd and len(head_bwd) <= 1 and all(r["op"] == "all_reduce" for r in head_bwd)
     head_text = (f"lm head (vocab-parallel, tied to {arch.embedding_prefix}): {len(head_fwd)} forward + "
                  f"{len(head_bwd)} backward "
-                 "(not in the issue's list; the Megatron minimum is 0 + 1: the gradient of the head's "
+                 "(not in the claim's list; the Megatron minimum is 0 + 1: the gradient of the head's "
                  "replicated input is a sum over the vocabulary shards)")
     checks.append((head_text, head_ok))
     loss = table.get(("loss", "forward"), []) + table.get(("loss", "backward"), [])
@@ -397,10 +397,10 @@ def _report(arch: bench.Arch, tp: int, runs_per_rank: list[dict], config, batch:
           f"{total_bytes:,d} bytes contributed by this rank "
           f"({sum(r['bytes'] for r in records if r['phase'] == 'forward'):,d} forward)")
     embed_words = "2 embeddings" if arch.seq2seq else "1 embedding"
-    print(f"   ratio forward calls / issue's bound ({blocks_text} + {embed_words} + 3 loss, + 1 "
+    print(f"   ratio forward calls / the claimed bound ({blocks_text} + {embed_words} + 3 loss, + 1 "
           f"input check = {claimed_fwd}): {python_counts['forward'] / claimed_fwd:.2f}")
     copy_words = " + 1 encoder output" if arch.seq2seq else ""
-    print(f"   ratio backward calls / issue's bound ({blocks_text}{copy_words} = {claimed_bwd}): "
+    print(f"   ratio backward calls / the claimed bound ({blocks_text}{copy_words} = {claimed_bwd}): "
           f"{python_counts['backward'] / claimed_bwd:.2f}; with the lm head's input gradient "
           f"({claimed_bwd + 1}): {python_counts['backward'] / (claimed_bwd + 1):.2f}")
 

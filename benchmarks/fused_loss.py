@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("b", "all"):
         ok = part_b(args) and ok
     print(f"\noverall: {bench.verdict(ok)}")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

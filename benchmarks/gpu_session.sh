@@ -9,6 +9,10 @@
 # parent that has used CUDA cannot fork CUDA users.
 set -u
 cd "$(dirname "$0")/.."
+python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null || {
+    echo "gpu_session.sh: no CUDA GPU visible to torch; nothing run" >&2
+    exit 2
+}
 part="${1:-all}"
 out="${2:-${OUT:-gpu_output}}"
 mkdir -p "$out"

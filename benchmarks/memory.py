@@ -59,8 +59,9 @@ from oslo.parallel.dtensor import local_named_parameters
 
 TARGETS = {2: 1.01, 4: 1.03}
 RSS_TARGET = 1.5
-# gpt2-medium, gpt-neo-1.3B, bert-large, t5-large
-SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large", "t5": "large"}
+# gpt2-medium, gpt-neo-1.3B, bert-large, t5-large, Llama-3.2-1B (and Qwen2, Mistral of that shape)
+SIZES = {"gpt2": "medium", "gpt_neo": "large", "bert": "large", "t5": "large", "llama": "large", "qwen2": "large",
+         "mistral": "large"}
 
 
 # ---------------------------------------------------------------------------------------------

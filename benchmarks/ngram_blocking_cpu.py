@@ -36,6 +36,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -163,7 +164,8 @@ def main() -> None:
     )
     results = [measure(history, args) for history in args.histories]
     print(f"\noverall: {verdict(all(results))}")
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

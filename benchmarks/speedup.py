@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         walls = {label: _report(label, runs, 2 if "tp=2" in label else 1)[0]
                  for label, runs in results["mlp"].items()}
         reference = walls["tp=1, 1 thread"] / walls["tp=2, 1 thread per rank"]
-        print(f"     speed-up = {reference:.2f}x (the issue quotes 2.0x for this reference on an idle "
+        print(f"     speed-up = {reference:.2f}x (the claim is 2.0x for this reference on an idle "
               "machine; well below that, other processes are taking CPU time from the ranks)")
 
     ok = True

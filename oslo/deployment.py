@@ -215,7 +215,7 @@ class DeployedModel:
     It behaves like the model: ``model(...)``/``forward``, ``generate``, ``fuse``, ``eval``/``train``,
     ``config``, ``generation_config``, ``save_pretrained_with_parallel``, ``can_generate``; any other method
     or attribute is looked up on the workers' model. Calls run without gradients and return global rank 0's
-    result, tensors in ordinary CPU memory (KV caches stay in the workers: ``past_key_values`` is ``None``).
+    result, tensors in ordinary CPU memory (KV caches stay in the workers: ``cache`` is ``None``).
     Calls from several threads run one after the other.
 
     ``close()`` (or leaving a ``with`` block, or the end of the interpreter) stops the workers.

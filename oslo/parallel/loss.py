@@ -82,9 +82,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def loss_chunk_rows(rows: int, hidden_size: int, local_vocab: int) -> int:
     """How many tokens :func:`linear_cross_entropy` takes at a time: as many as make a float32 logits chunk the
-    size of the hidden states (so the loss never holds more than they do), at least 2**23 elements (32 MiB: smaller
+    size of the hidden states (so the loss never holds more than they do), at least 2**24 elements (64 MiB: smaller
     chunks would leave the matrix products too thin to run at full speed) and at least 16 rows (or all of them)."""
-    budget = max(rows * hidden_size, 1 << 23)
+    budget = max(rows * hidden_size, 1 << 24)
     return max(1, min(rows, max(16, budget // max(local_vocab, 1))))
 
 
