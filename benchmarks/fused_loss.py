@@ -24,7 +24,7 @@ transformers' at tp=1 (and per rank at tp=2).
 median of the per-round ratios chunked / logits is reported, rank 0's clock. Goal: ≤ 1.03 on CPU.
 
 Run: ``python benchmarks/fused_loss.py`` (``--part a`` or ``b``; ``--vocab 128256`` for one vocabulary; about
-6 minutes on 2 CPU cores).
+20 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
