@@ -646,6 +646,9 @@ class _BertPredictions(VocabularyHead):
     def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions.transform(hidden_states)
 
+    def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.cls.predictions(hidden_states)  # (..., V_local); its forward runs, and hooks on it see it
+
     def _vocab_projection(self) -> VocabParallelLMHead:
         return self.cls.predictions.decoder
 
