@@ -122,7 +122,7 @@ def fused_loss_applies(model: nn.Module, projection: nn.Module, returned: bool) 
     are not ``returned``, no forward hook of the user's could keep them), the projection is oslo's own (not
     wrapped, e.g. by an adapter), ``model.loss_chunk_size`` is not 0, and the call is not being traced by
     ``torch.compile`` (which plans the logits' buffers itself)."""
-    return (getattr(model, "loss_chunk_size", None) != 0 and type(projection) is VocabParallelLMHead
+    return (model.loss_chunk_size != 0 and type(projection) is VocabParallelLMHead
             and not has_user_hooks(projection) and logits_are_private(model, returned)
             and not torch.compiler.is_compiling())
 

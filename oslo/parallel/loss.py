@@ -34,38 +34,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid_columns, group, ignore_index, overwrite):
         # logits: (N, V_local) this rank's columns; columns >= valid_columns are padding. One logits-sized
-        # buffer is allocated (the shifted logits, exponentiated and normalized in place into the softmax the
-        # backward pass needs) — none when the caller lets the logits be overwritten (``overwrite``: float32
+        # buffer is allocated (a copy of the logits, turned into the softmax the backward pass needs in place by
+        # :func:`_chunk_terms`) — none when the caller lets the logits be overwritten (``overwrite``: float32
         # logits nothing else reads) — the padding columns are left out of the maximum and zeroed after exp,
         # never copied; so every rank does the same work whether it holds padding or not.
         # (Not in a traced call: the compiler plans the buffers itself, and refuses a Function that writes
         # into its input.)
         overwrite = overwrite and logits.dtype == torch.float32 and not torch.compiler.is_compiling()
-        logits = logits.float()
-        padded = valid_columns < logits.size(-1)
-        row_max = (logits.narrow(-1, 0, valid_columns) if padded else logits).amax(dim=-1)
-        if group_size(group) > 1:
-            row_max = all_reduce(row_max, group, "taking the logits' maximum over the tensor-parallel group", "max")
-
-        ignored = target == ignore_index
-        local_target = target - vocab_start
-        outside = (local_target < 0) | (local_target >= valid_columns) | ignored
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max).masked_fill(outside, 0.0)
-
-        exp = (logits.sub_(row_max.unsqueeze(-1)) if overwrite else torch.sub(logits, row_max.unsqueeze(-1))).exp_()
-        if padded:
-            exp[:, valid_columns:] = 0.0
-        sum_exp = exp.sum(dim=-1)
-        if group_size(group) > 1:
-            # One all-reduce for both per-token reductions.
-            both = all_reduce(torch.stack([target_logit, sum_exp]), group,
-                               "summing the loss terms over the tensor-parallel group")
-            target_logit, sum_exp = both[0], both[1]
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        # float() makes a buffer of our own from other dtypes; float32 logits are copied unless they may be overwritten
+        softmax = logits.clone() if logits.dtype == torch.float32 and not overwrite else logits.float()
+        loss, local_target, outside = _chunk_terms(softmax, target, vocab_start, valid_columns, group, ignore_index)
+        ctx.save_for_backward(softmax, local_target, outside, target == ignore_index)
         return loss
 
     @staticmethod
