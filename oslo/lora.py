@@ -11,7 +11,9 @@ PEFT's own ``lora.Linear`` (merging, several adapters, DoRA and the other varian
 with ``fan_in_fan_out`` set from the layer's layout, as PEFT sets it for ``Conv1D``. With several processes (any
 tensor_parallel_size, data-parallel replicas) the LoRA matrices are DTensors split like their layer (see
 :class:`ParallelLoraLinear`); the plain ``nn.Linear`` layers of such a model (BERT's pooler, classifiers) get
-replicated ones. With pipelines each stage wraps the layers it holds, and the saved adapter gathers every stage's.
+replicated ones. There the class computes the adapter itself: plain LoRA, rsLoRA, ``lora_bias``, DoRA (its
+magnitude split like the output features) and PEFT's mixed batches (``adapter_names=``); other variants refuse.
+With pipelines each stage wraps the layers it holds, and the saved adapter gathers every stage's.
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
 ``LoraModel._create_new_module`` (oslo's layers first), ``LoraModel.inject_adapter`` (the layers learn their
@@ -50,20 +52,32 @@ ParallelLoraLinear = None  # the class, once PEFT is imported (see install)
 
 
 class _Shard(torch.nn.Module):
-    """One LoRA matrix (``lora_A`` or ``lora_B``) of a model of several processes: a ``weight`` DTensor on the
-    tensor-parallel mesh like every oslo parameter, holding this rank's slice (``spec``; ``None``: the whole
-    matrix on every rank). Its state dict holds the whole matrix, as PEFT saves and loads adapters: writing it
-    gathers the slices (every rank of the tensor-parallel group takes part), reading it keeps this rank's slice.
+    """One LoRA matrix (``lora_A`` or ``lora_B``, with ``lora_bias`` its bias) or DoRA magnitude vector of a model of
+    several processes: a ``weight`` (and ``bias``) DTensor on the tensor-parallel mesh like every oslo parameter,
+    holding this rank's slice (``parallel_specs``; no entry: the whole tensor on every rank). Its state dict holds the
+    whole tensors, as PEFT saves and loads adapters: writing it gathers the slices (every rank of the
+    tensor-parallel group takes part), reading it keeps this rank's slice.
+
+    Args:
+        parts: ``name -> (local, global_shape, spec)``: this rank's slice, the whole tensor's shape, how it is split.
     """
 
-    def __init__(self, full: torch.Tensor, spec: ShardSpec | None, context) -> None:
+    def __init__(self, parts: dict[str, tuple[torch.Tensor, tuple[int, ...], ShardSpec | None]], context) -> None:
         super().__init__()
-        self.out_features, self.in_features = full.shape
-        self.parallel_specs = {"weight": spec} if spec is not None else {}
-        local = full if spec is None else spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
-        self.weight = torch.nn.Parameter(local.detach().clone(), requires_grad=full.requires_grad)
+        self._shapes = {name: tuple(shape) for name, (_, shape, _) in parts.items()}
+        if len(self._shapes["weight"]) == 2:
+            self.out_features, self.in_features = self._shapes["weight"]
+        self.parallel_specs = {name: spec for name, (_, _, spec) in parts.items() if spec is not None}
+        for name, (part, _, _) in parts.items():
+            setattr(self, name, torch.nn.Parameter(part.detach().clone(), requires_grad=part.requires_grad))
         self._oslo_context = context
         distribute_parameters(self, context)
+
+    @classmethod
+    def split(cls, context, **wholes: tuple[torch.Tensor, ShardSpec | None]) -> _Shard:
+        """From whole tensors (``name=(tensor, spec)``), each rank keeping its slice."""
+        return cls({name: (_slice(full, spec), tuple(full.shape), spec) for name, (full, spec) in wholes.items()},
+                   context)
 
     def _apply(self, fn, recurse=True):
         # .to() and friends convert the plain slice; the DTensor is rebuilt around it (as for the model's own).
@@ -81,36 +95,41 @@ class _Shard(torch.nn.Module):
         """The tensor to compute on (this rank's slice; its gradient reaches the DTensor)."""
         return local(self.weight, self.spec)
 
-    def stored(self) -> torch.Tensor:
-        """This rank's slice itself (no autograd): what merging reads."""
-        return _stored(self.weight)
+    def local_bias(self) -> torch.Tensor | None:
+        return local(self.bias, self.parallel_specs.get("bias")) if "bias" in self._shapes else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.local_weight())
+    def stored(self, name: str = "weight") -> torch.Tensor:
+        """This rank's slice itself (no autograd): what merging reads."""
+        return _stored(getattr(self, name))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        weight = self.weight
-        full = unblock(weight.full_tensor(), self.spec) if isinstance(weight, DTensor) else weight
-        destination[prefix + "weight"] = full if keep_vars else full.detach()
+        for name in self._shapes:
+            value = getattr(self, name)
+            full = unblock(value.full_tensor(), self.parallel_specs.get(name)) if isinstance(value, DTensor) else value
+            destination[prefix + name] = full if keep_vars else full.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        key = prefix + "weight"
-        if key not in state_dict:
-            if strict:
-                missing_keys.append(key)
-            return
-        full = state_dict[key]
-        if isinstance(full, DTensor):
-            full = full.full_tensor()
-        if tuple(full.shape) != (self.out_features, self.in_features):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(full.shape)}, the shape "
-                              f"in current model is {(self.out_features, self.in_features)}.")
-            return
-        spec = self.spec
-        part = full if spec is None else spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
-        with torch.no_grad():
-            self.stored().copy_(part)
+        for name, shape in self._shapes.items():
+            key = prefix + name
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            full = state_dict[key]
+            if isinstance(full, DTensor):
+                full = full.full_tensor()
+            if tuple(full.shape) != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(full.shape)}, the "
+                                  f"shape in current model is {shape}.")
+                continue
+            with torch.no_grad():
+                self.stored(name).copy_(_slice(full, self.parallel_specs.get(name)))
+
+
+def _slice(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """This rank's slice of a whole tensor (itself when it is not split)."""
+    return full if spec is None else spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
 
 
 def _stored(param: torch.Tensor) -> torch.Tensor:
@@ -126,6 +145,7 @@ def _context_of(layer):
 
 def _make_class():
     from peft.tuners.lora.layer import Linear
+    from peft.tuners.lora.variants import DoraLinearVariant
     from peft.tuners.tuners_utils import check_adapters_to_merge
 
     class ParallelLoraLinear(Linear):
@@ -153,13 +173,10 @@ def _make_class():
                     f"LoRA on a vocabulary-split layer ({type(base).__name__} with {base.out_features} outputs, an LM "
                     "head) of an oslo model of several processes is not implemented yet: target the attention and MLP "
                     "layers, or adapt it in one process.")
-            if self._oslo_context is not None:
-                unsupported = [name for name, on in (("use_dora", config.use_dora), ("lora_bias", config.lora_bias))
-                               if on]
-                if unsupported:
-                    raise NotImplementedError(
-                        f"{' and '.join(unsupported)} on oslo models of several processes are not implemented yet "
-                        "(plain LoRA and use_rslora are); they work on a model built in one process.")
+            if self._oslo_context is not None and config.use_dora and getattr(base, "gather_output", False):
+                raise NotImplementedError(
+                    f"DoRA on a {type(base).__name__} that gathers its output (gather_output=True) of an oslo model of "
+                    "several processes is not implemented yet: target the attention and MLP layers.")
             kwargs["fan_in_fan_out"] = config.fan_in_fan_out
             super().__init__(base_layer, adapter_name, config=config, **kwargs)
 
@@ -173,6 +190,16 @@ def _make_class():
             return COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
                 else "replicated"
 
+        def resolve_lora_variant(self, *, config, **kwargs):
+            variant = super().resolve_lora_variant(config=config, **kwargs)
+            if self._oslo_context is None or variant is None:
+                return variant
+            if config.use_dora and isinstance(variant, DoraLinearVariant):
+                return None  # DoRA of a split layer: this class's own forward and merge (see _oslo_dora)
+            raise NotImplementedError(
+                f"the LoRA variant {type(variant).__name__} on oslo models of several processes is not implemented "
+                "yet (plain LoRA, use_rslora, use_dora and lora_bias are); it works on a model built in one process.")
+
         def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
             context = self._oslo_context
             if context is None:
@@ -184,22 +211,109 @@ def _make_class():
             kind = self._oslo_kind
             if kind != "replicated":
                 base_spec = self.get_base_layer().parallel_specs["weight"]
-            if kind == COLUMN:  # B split like the output features (GPT2's fused q/k/v block by block)
+            if kind == COLUMN:  # B (and its bias) split like the output features (GPT2's fused q/k/v block by block)
                 spec_b = ShardSpec(COLUMN, 0, self.out_features, base_spec.world_size, base_spec.rank,
                                    base_spec.chunks)
             elif kind == ROW:  # A split like the input features
                 spec_a = ShardSpec(ROW, 1, self.in_features, base_spec.world_size, base_spec.rank)
-            for matrices, spec in ((self.lora_A, spec_a), (self.lora_B, spec_b)):
-                full = matrices[adapter_name].weight
-                matrices[adapter_name] = _Shard(full, spec, context)
+            self.lora_A[adapter_name] = _Shard.split(context, weight=(self.lora_A[adapter_name].weight, spec_a))
+            b = self.lora_B[adapter_name]
+            parts = {"weight": (b.weight, spec_b)}
+            if b.bias is not None:
+                parts["bias"] = (b.bias, spec_b)
+            self.lora_B[adapter_name] = _Shard.split(context, **parts)
+            if config.use_dora:
+                # DoRA's magnitude: the norm of each output row of W + scaling * B @ A, split like the output features
+                with torch.no_grad():
+                    norm = self._oslo_weight_norm(self._oslo_rows(_stored(self.get_base_layer().weight)),
+                                                  self._oslo_rows(self.get_delta_weight(adapter_name)))
+                if not self.lora_magnitude_vector:
+                    self.adapter_layer_names = self.adapter_layer_names[:] + ("lora_magnitude_vector",)
+                self.lora_magnitude_vector[adapter_name] = _Shard({"weight": (norm, (self.out_features,), spec_b)},
+                                                                  context)
+                self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+        def _oslo_rows(self, weight: torch.Tensor) -> torch.Tensor:
+            """A weight in the layer's stored layout as ``(out, in)`` (this rank's rows and columns)."""
+            return weight.t() if getattr(self.get_base_layer(), "transposed", False) else weight
+
+        def _oslo_weight_norm(self, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+            """DoRA's ``||W + delta||`` of each output row (this rank's rows), both ``(out, in)`` and ``delta``
+            scaled: a row-parallel layer holds part of each row, so the squares are summed over the group."""
+            total = weight + delta.to(weight.dtype)
+            if self._oslo_kind != ROW:
+                return torch.linalg.vector_norm(total, dim=1)
+            squares = total.pow(2).sum(1)
+            torch.distributed.all_reduce(squares, group=self.get_base_layer().group)
+            return squares.sqrt()
+
+        def _oslo_dora_factor(self, adapter: str, norm: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            """``magnitude / norm``, shaped to scale the output features of ``like`` (the stored layout)."""
+            factor = self.lora_magnitude_vector[adapter].stored() / norm
+            return (factor.view(1, -1) if getattr(self.get_base_layer(), "transposed", False)
+                    else factor.view(-1, 1)).to(like.dtype)
+
+        def _oslo_output(self, name: str, x: torch.Tensor, result: torch.Tensor, kwargs) -> torch.Tensor:
+            """What adapter ``name`` adds to the base layer's ``result`` for the input ``x``, in ``result``'s layout
+            (this rank's output features on a column-parallel layer that does not gather them)."""
+            base, rng = self.get_base_layer(), self._oslo_context.rng
+            group = getattr(base, "group", None)
+            a_module, b_module = self.lora_A[name], self.lora_B[name]
+            a, b, b_bias = a_module.local_weight(), b_module.local_weight(), b_module.local_bias()
+            dropout, h = self.lora_dropout[name], x.to(a.dtype)
+            kind = self._oslo_kind
+            if kind == "replicated":  # every rank computes the whole, identical product
+                h = dropout(h)
+                z = torch.nn.functional.linear(h, a)
+            elif kind == COLUMN:
+                h = dropout(h)
+                if kwargs.get("input_is_copied", False):
+                    # x's gradient is summed over the group where it was copied: this path's share stays
+                    # partial, and A's gradient (partial too) is summed here.
+                    z = torch.nn.functional.linear(h, copy_to_tensor_parallel(a, group))
+                else:  # z's gradient summed over the group: A's and x's are then whole on every rank
+                    z = copy_to_tensor_parallel(torch.nn.functional.linear(h, a), group)
+            else:
+                if not base.input_is_parallel:
+                    h = scatter_to_tensor_parallel(h, group, dim=-1)
+                with rng.split():  # dropout on this rank's input features: masks distinct per rank
+                    h = dropout(h)
+                z = reduce_from_tensor_parallel(torch.nn.functional.linear(h, a), group)
+            lora = torch.nn.functional.linear(z, b, b_bias)
+            scaling = self.scaling[name]
+            if self.use_dora.get(name, False):
+                dropped = self.training and not isinstance(dropout, torch.nn.Identity)
+                if dropped and kind == COLUMN and not kwargs.get("input_is_copied", False):
+                    h = copy_to_tensor_parallel(h, group)  # the recomputed base output's share of x's gradient
+                return self._oslo_dora(name, h, result, lora, dropped)
+            if kind == COLUMN and base.gather_output:
+                lora = gather_from_tensor_parallel(lora, group, dim=-1)
+            return lora * scaling
+
+        def _oslo_dora(self, name: str, h: torch.Tensor, result: torch.Tensor, lora: torch.Tensor,
+                       dropped: bool) -> torch.Tensor:
+            """DoRA's addition (PEFT's ``DoraLinearLayer.forward``) on this rank's output features: ``h`` the
+            (dropped-out) input the adapter read (this rank's features on a row-parallel layer), ``lora`` its
+            ``B A h``. The weight norm is a constant, as in DoRA's paper and PEFT."""
+            base = self.get_base_layer()
+            weight = self._oslo_rows(_stored(base.weight)).to(h.dtype)
+            with torch.no_grad():
+                norm = self._oslo_weight_norm(weight, self._oslo_rows(self.get_delta_weight(name)).to(h.dtype))
+            scale = self.lora_magnitude_vector[name].local_weight() / norm
+            if dropped:  # PEFT recomputes the base output on the dropped-out input
+                base_result = torch.nn.functional.linear(h, weight)
+                if self._oslo_kind == ROW:
+                    base_result = reduce_from_tensor_parallel(base_result, base.group)
+            else:
+                specs = getattr(base, "parallel_specs", {})
+                base_result = result if base.bias is None else result - local(base.bias, specs.get("bias"))
+            return (scale - 1) * base_result + scale * lora * self.scaling[name]
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if self._oslo_context is None:
                 return super().forward(x, *args, **kwargs)
             self._check_forward_args(x, *args, **kwargs)
-            if kwargs.pop("adapter_names", None) is not None:
-                raise NotImplementedError("adapter_names= (a batch mixing adapters) on oslo models of several "
-                                          "processes is not implemented yet")
+            adapter_names = kwargs.pop("adapter_names", None)
             if self.disable_adapters:
                 if self.merged:
                     self.unmerge()
@@ -207,34 +321,18 @@ def _make_class():
             result = self.base_layer(x, *args, **kwargs)
             if self.merged:
                 return result
-            base = self.get_base_layer()
-            group, rng = getattr(base, "group", None), self._oslo_context.rng
             dtype = result.dtype
+            if adapter_names is not None:  # a batch mixing adapters (PEFT's mixed-batch inference)
+                # in order of first appearance, the same on every rank (a set's order is not): the collectives match
+                for name in dict.fromkeys(adapter_names):
+                    if name == "__base__" or name not in self.lora_A:
+                        continue
+                    rows = [i for i, item in enumerate(adapter_names) if item == name]
+                    result[rows] += self._oslo_output(name, x[rows], result[rows], kwargs).to(dtype)
+                return result
             for name in self.active_adapters:
-                if name not in self.lora_A:
-                    continue
-                a, b = self.lora_A[name].local_weight(), self.lora_B[name].local_weight()
-                dropout, h = self.lora_dropout[name], x.to(a.dtype)
-                if self._oslo_kind == "replicated":  # every rank computes the whole, identical product
-                    delta = torch.nn.functional.linear(torch.nn.functional.linear(dropout(h), a), b)
-                elif self._oslo_kind == COLUMN:
-                    if kwargs.get("input_is_copied", False):
-                        # x's gradient is summed over the group where it was copied: this path's share stays
-                        # partial, and A's gradient (partial too) is summed here.
-                        z = torch.nn.functional.linear(dropout(h), copy_to_tensor_parallel(a, group))
-                    else:  # z's gradient summed over the group: A's and x's are then whole on every rank
-                        z = copy_to_tensor_parallel(torch.nn.functional.linear(dropout(h), a), group)
-                    delta = torch.nn.functional.linear(z, b)
-                    if base.gather_output:
-                        delta = gather_from_tensor_parallel(delta, group, dim=-1)
-                else:
-                    if not base.input_is_parallel:
-                        h = scatter_to_tensor_parallel(h, group, dim=-1)
-                    with rng.split():  # dropout on this rank's input features: masks distinct per rank
-                        h = dropout(h)
-                    z = reduce_from_tensor_parallel(torch.nn.functional.linear(h, a), group)
-                    delta = torch.nn.functional.linear(z, b)
-                result = result + delta * self.scaling[name]
+                if name in self.lora_A:
+                    result = result + self._oslo_output(name, x, result, kwargs)
             return result.to(dtype)
 
         def get_delta_weight(self, adapter) -> torch.Tensor:
@@ -245,19 +343,54 @@ def _make_class():
             delta = (b.float() @ a.float()) * self.scaling[adapter]
             return (delta.t() if getattr(self.get_base_layer(), "transposed", False) else delta).to(b.dtype)
 
+        def _oslo_unmerged(self, name: str, weight: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+            """``weight`` (the stored layout) with adapter ``name`` taken out of it; ``norm``: its DoRA norm."""
+            delta = self.get_delta_weight(name).to(weight.dtype)
+            if norm is None:
+                return weight - delta
+            return weight / self._oslo_dora_factor(name, norm, weight) - delta
+
         def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
             if self._oslo_context is None:
                 return super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
             adapter_names = check_adapters_to_merge(self, adapter_names)
-            weight = _stored(self.get_base_layer().weight)
+            base = self.get_base_layer()
+            weight = _stored(base.weight)
+            bias = None if base.bias is None else _stored(base.bias)
             for name in adapter_names:
                 if name not in self.lora_A:
                     continue
                 with torch.no_grad():
-                    merged = weight + self.get_delta_weight(name).to(weight.dtype)
-                    if safe_merge and not torch.isfinite(merged).all():
-                        raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+                    delta = self.get_delta_weight(name).to(weight.dtype)
+                    if self.use_dora.get(name, False):
+                        # the norm of the unmerged weight, as the forward computes it (earlier merges taken out)
+                        unmerged = weight
+                        for earlier in reversed(self.merged_adapters):
+                            unmerged = self._oslo_unmerged(earlier, unmerged,
+                                                           self._caches.get(f"{earlier}-weight_norm"))
+                        norm = self._oslo_weight_norm(self._oslo_rows(unmerged), self._oslo_rows(delta))
+                        merged = self._oslo_dora_factor(name, norm, weight) * (weight + delta)
+                    else:
+                        norm, merged = None, weight + delta
+                    new_bias = None
+                    if self.lora_bias[name]:
+                        if bias is None:
+                            raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base "
+                                               "layer has no bias.")
+                        new_bias = bias + self.lora_B[name].stored("bias").to(bias.dtype) * self.scaling[name]
+                    if safe_merge:  # every rank of the group learns of a broken slice anywhere
+                        broken = torch.tensor([float(not torch.isfinite(merged).all() or (
+                            new_bias is not None and not torch.isfinite(new_bias).all()))], device=weight.device)
+                        if self._oslo_kind != "replicated":
+                            torch.distributed.all_reduce(broken, op=torch.distributed.ReduceOp.MAX, group=base.group)
+                        if broken.item():
+                            raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be "
+                                             "broken")
                     weight.copy_(merged)
+                    if new_bias is not None:
+                        bias.copy_(new_bias)
+                if norm is not None:
+                    self._cache_store(f"{name}-weight_norm", norm)
                 self.merged_adapters.append(name)
 
         def unmerge(self) -> None:
@@ -266,12 +399,17 @@ def _make_class():
             if not self.merged:
                 warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
                 return
-            weight = _stored(self.get_base_layer().weight)
+            base = self.get_base_layer()
+            weight = _stored(base.weight)
             while self.merged_adapters:
                 name = self.merged_adapters.pop()
-                if name in self.lora_A:
-                    with torch.no_grad():
-                        weight.sub_(self.get_delta_weight(name).to(weight.dtype))
+                if name not in self.lora_A:
+                    continue
+                norm = self._cache_pop(f"{name}-weight_norm") if self.use_dora.get(name, False) else None
+                with torch.no_grad():
+                    weight.copy_(self._oslo_unmerged(name, weight, norm))
+                    if self.lora_bias[name]:
+                        _stored(base.bias).sub_(self.lora_B[name].stored("bias").to(weight.dtype) * self.scaling[name])
 
     ParallelLoraLinear.__module__, ParallelLoraLinear.__qualname__ = __name__, "ParallelLoraLinear"
     return ParallelLoraLinear

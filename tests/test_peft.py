@@ -35,14 +35,14 @@ def _lora_config(case, **overrides):
     return peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **{**TARGETS[case.name], **overrides})
 
 
-def _reference_adapter(case, directory):
-    """The transformers model of ``case`` (seed 0) saved in ``directory/base``, and PEFT's adapter for it (seed 1)
-    in ``directory/theirs``; returns the PEFT model."""
+def _reference_adapter(case, directory, **options):
+    """The transformers model of ``case`` (seed 0) saved in ``directory/base``, and PEFT's adapter for it (seed 1;
+    ``options`` for the ``LoraConfig``) in ``directory/theirs``; returns the PEFT model."""
     torch.manual_seed(0)
     reference = getattr(transformers, case.name)(case.config())
     reference.save_pretrained(directory / "base")
     torch.manual_seed(1)
-    theirs = peft.get_peft_model(reference, _lora_config(case))
+    theirs = peft.get_peft_model(reference, _lora_config(case, **options))
     theirs.save_pretrained(directory / "theirs")
     return theirs
 
@@ -121,14 +121,14 @@ def test_dora_and_rslora_equal_peft_on_transformers(tmp_path):
 
 
 def _grads_by_name(model) -> dict[str, torch.Tensor]:
-    """Trainable parameters' gradients, whole (a DTensor's gathered; GPT2's fused blocks flattened)."""
+    """Trainable parameters' gradients, whole (a DTensor's gathered)."""
     from torch.distributed.tensor import DTensor
 
     grads = {}
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None:
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            grads[name] = grad.flatten(0, 1) if grad.dim() == 3 else grad
+            grads[name] = grad
     return grads
 
 
@@ -205,6 +205,96 @@ def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, t
     _reference_adapter(case, tmp_path)
     assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp,
                            timeout=300) == [True] * processes
+
+
+VARIANTS = {"dora": dict(use_dora=True), "lora_bias": dict(lora_bias=True)}
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "BertForSequenceClassification"])
+def test_lora_variants_at_tp2_equal_peft_on_transformers(name, variant, tmp_path):
+    """DoRA and ``lora_bias`` on split layers: GPT2's fused ``c_attn`` (column, block by block) and its row-parallel
+    projections, BERT's nn.Linear layouts and its replicated pooler: outputs, every adapter gradient (DoRA's magnitude,
+    B's bias), a step, the saved adapter on transformers, merge and unmerge, as PEFT on one process."""
+    case = next(c for c in CASES if c.name == name)
+    _reference_adapter(case, tmp_path, **VARIANTS[variant])
+    assert run_distributed(_split_equals_peft, 2, name, str(tmp_path), 2, 1, timeout=300) == [True, True]
+
+
+def _mixed_batch(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size):
+    case = next(c for c in CASES if c.name == name)
+    batch = case.batch()
+    names = ["second", "__base__", "default", "second"][:len(next(iter(batch.values())))]
+    models = []
+    for base in (getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                 getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/base",
+                                                                   tensor_parallel_size=tensor_parallel_size,
+                                                                   pipeline_parallel_size=pipeline_parallel_size)):
+        model = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs")
+        model.load_adapter(f"{tmp}/second", adapter_name="second")
+        models.append(model.eval())
+    theirs, ours = models
+    with torch.no_grad():
+        compare_outputs(ours(**batch, adapter_names=names), theirs(**batch, adapter_names=names),
+                        f"{name}: a batch mixing adapters")
+        # and the batch of one adapter, after it: the mixed call changed nothing
+        compare_outputs(ours(**batch), theirs(**batch), f"{name}: the default adapter")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("layout", ["tp2", "tp2-pp2"])
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "T5ForConditionalGeneration"])
+def test_a_batch_mixing_adapters_equals_peft_on_transformers(name, layout, tmp_path):
+    """PEFT's ``adapter_names=`` (each row its adapter, ``"__base__"`` none) on a split model: the rows' collectives
+    run in one order on every rank, and the outputs are PEFT's on transformers."""
+    case = next(c for c in CASES if c.name == name)
+    reference = _reference_adapter(case, tmp_path)
+    torch.manual_seed(2)
+    reference.add_adapter("second", _lora_config(case))
+    reference.save_pretrained(tmp_path / "pair", selected_adapters=["second"])
+    (tmp_path / "pair" / "second").rename(tmp_path / "second")
+    tp, pp, processes = LAYOUTS[layout]
+    assert run_distributed(_mixed_batch, processes, name, str(tmp_path), tp, pp, timeout=300) == [True] * processes
+
+
+def _dora_pair_merged(rank, world_size, tmp):
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    batch = case.batch()
+    models = []
+    for base in (transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
+                 oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)):
+        model = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs")
+        model.load_adapter(f"{tmp}/second", adapter_name="second")
+        model.base_model.set_adapter(["default", "second"])
+        models.append(model.eval())
+    theirs, ours = models
+    with torch.no_grad():
+        both = ours(**batch)
+        compare_outputs(both, theirs(**batch), "two DoRA adapters at once")
+        ours.merge_adapter()
+        theirs.merge_adapter()
+        compare_outputs(ours(**batch), theirs(**batch), "two DoRA adapters merged")
+        compare_outputs(ours(**batch), both, "two DoRA adapters merged, against unmerged")
+        ours.unmerge_adapter()
+        compare_outputs(ours(**batch), both, "two DoRA adapters unmerged")
+        merged = ours.merge_and_unload(safe_merge=True)
+        compare_outputs(merged(**batch), both, "two DoRA adapters, merge_and_unload")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_two_dora_adapters_merge_at_tp2_as_peft(tmp_path):
+    """Merging a second DoRA adapter reads the weight norm of the unmerged weight (the first taken out again), on
+    a row-parallel layer summed over the group; unmerging restores the weight."""
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    reference = _reference_adapter(case, tmp_path, use_dora=True)
+    torch.manual_seed(2)
+    reference.add_adapter("second", _lora_config(case, use_dora=True))
+    reference.save_pretrained(tmp_path / "pair", selected_adapters=["second"])
+    (tmp_path / "pair" / "second").rename(tmp_path / "second")
+    assert run_distributed(_dora_pair_merged, 2, str(tmp_path)) == [True, True]
 
 
 def _new_adapter_at_tp2(rank, world_size, tmp):

@@ -463,8 +463,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def state_dict(self, *args, **kwargs):
         """This rank's parameters under the full model's names, as ``nn.Module.state_dict``. With several
         processes every parameter is a DTensor that says how it is split: ``.full_tensor()`` gives the
-        whole weight in transformers' shape (GPT2's fused ``c_attn.bias`` is seen as ``(3, size / 3)``: ``.flatten(-2)``
-        for transformers' shape), ``torch.distributed.checkpoint`` saves and reshards it, and
+        whole weight in transformers' shape, ``torch.distributed.checkpoint`` saves and reshards it, and
         ``load_state_dict`` of such a dict works at the same layout. With pipelines only this stage's weights
         are there. For a checkpoint of the whole model use :meth:`save_pretrained_with_parallel`
         (``save_with_merging=True``: plain transformers files)."""

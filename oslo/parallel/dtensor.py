@@ -133,11 +133,10 @@ def unblock(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
 
 
 def _strided(spec: ShardSpec | None) -> bool:
-    """Whether a fused parameter (blocks split one by one) is a DTensor of transformers' shape with PyTorch's strided
-    sharding: a weight (GPT2's ``c_attn.weight``, split on its second dimension). A fused bias, split on its only
-    dimension, is seen as ``(chunks, size / chunks)`` sharded on the second: FSDP2 shards that same first dimension
-    over the data-parallel mesh, and does not compose its sharding with a strided one there."""
-    return spec is not None and spec.chunks > 1 and spec.dim > 0
+    """Whether a parameter is a fused one (blocks split one by one: GPT2's ``c_attn`` weight and bias), a DTensor of
+    transformers' shape with PyTorch's strided sharding. (FSDP2 sees one split on its first dimension as blocks, see
+    :func:`_fsdp_sees_blocks`.)"""
+    return spec is not None and spec.chunks > 1
 
 
 def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple[object, tuple[int, ...]]:
@@ -501,8 +500,11 @@ def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
     if not fused:
         return state
     ndims = {name: param.dim() for name, param in model.named_parameters()}
+    blocks = {name for name, param in model.named_parameters() if getattr(param, "_oslo_blocks", False)}
     state = dict(state)
     for name, spec in fused.items():
+        if name in blocks:  # seen as blocks already (under FSDP2)
+            continue
         if optimizer:
             prefix = f"state.{name}."
             for key in [key for key in state if key.startswith(prefix)]:
@@ -540,6 +542,29 @@ def _fused_as_blocks(get_model, load_model, get_optimizer, load_optimizer):
     return get_model_blocks, load_model_blocks, get_optimizer_blocks, load_optimizer_blocks
 
 
+def _fsdp_sees_blocks(init):
+    """FSDP2 (``fully_shard``) shards a parameter's first dimension over the data-parallel mesh, and cannot compose
+    that with a strided sharding of the same dimension (``full_tensor()`` comes out in the wrong order). A fused
+    parameter split on its first dimension (GPT2's ``c_attn.bias``, a LoRA ``B`` of ``c_attn``) is therefore handed to
+    it as blocks, ``(chunks, size / chunks, ..)`` sharded on the second (a view of the same memory), and the module
+    holds that view from then on: under FSDP2 such a parameter has the shape DCP sees, not transformers'."""
+
+    @functools.wraps(init)
+    def init_with_blocks(self, param, module_info, *args, **kwargs):
+        spec = getattr(param, "_oslo_spec", None)
+        if isinstance(param, DTensor) and spec is not None and spec.chunks > 1 and spec.dim == 0:
+            blocks = nn.Parameter(_as_blocks(param, spec, param.dim()), requires_grad=param.requires_grad)
+            blocks._oslo_blocks = True
+            for module, name in zip([module_info.module, *module_info.shared_modules],
+                                    [module_info.param_name, *module_info.shared_param_names], strict=True):
+                module._parameters[name] = blocks
+            param = blocks
+        return init(self, param, module_info, *args, **kwargs)
+
+    init_with_blocks._oslo_blocks = True
+    return init_with_blocks
+
+
 def install_torch_hooks() -> None:
     """The places where oslo adjusts torch's stock tools to oslo models (installed once, by the first oslo
     model; other models and tensors pass through unchanged)."""
@@ -553,6 +578,10 @@ def install_torch_hooks() -> None:
     if all(f is not None for f in functions) and not getattr(functions[0], "_oslo_blocks", False):
         for name, function in zip(names, _fused_as_blocks(*functions), strict=True):
             setattr(_dcp_state_dict, name, function)
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    if not getattr(FSDPParam.__init__, "_oslo_blocks", False):
+        FSDPParam.__init__ = _fsdp_sees_blocks(FSDPParam.__init__)
 
 
 def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:

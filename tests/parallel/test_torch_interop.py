@@ -82,9 +82,8 @@ def _state_dict_round_trip(rank, world_size, path):
     state = model.state_dict()
     kinds = {name: type(value).__name__ for name, value in state.items()}
     full = {}
-    for name, value in state.items():
-        # transformers' shape (GPT2's fused c_attn weight through strided sharding; its bias is seen as (3, n / 3))
-        full[name] = value.full_tensor().flatten(-2) if name.endswith("c_attn.bias") else value.full_tensor()
+    for name, value in state.items():  # transformers' shape (GPT2's fused c_attn through strided sharding)
+        full[name] = value.full_tensor()
     attributes = {name: (p.tensor_model_parallel, p.partition_dim, p.partition_stride)
                   for name, p in model.named_parameters()}
     # A model with other weights takes this state dict at the same layout and computes the same logits.
@@ -131,6 +130,7 @@ def _fsdp2_step(rank, world_size, path, tp):
     optimizer.step()
     state_elements = sum(v.to_local().numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    # under FSDP2 GPT2's c_attn.bias is seen as (3, n / 3) blocks (FSDP2 does not compose with its strided sharding)
     full = {name: value.flatten(-2) if name.endswith("c_attn.bias") else value for name, value in full.items()}
     return full, norm.full_tensor(), before, after, state_elements
 
@@ -240,12 +240,10 @@ def _shapes(rank, world_size, path, tp, pp):
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)], ids=["2-1", "1-2", "2-2"])
 def test_every_parameter_has_transformers_shape(checkpoint, tp, pp):
     """Code that reads shapes (PEFT, custom inits, a checkpoint's metadata) sees transformers' model at every layout:
-    GPT2's fused c_attn weight is a DTensor of shape (in, 3 * n) whose placement says how q, k and v are split. Its
-    bias, split on its only dimension, is seen as (3, n) with several processes: FSDP2 shards that dimension too, and
-    does not compose with strided sharding there."""
+    GPT2's fused c_attn weight and bias are DTensors of shapes (in, 3 * n) and (3 * n,) whose placement (PyTorch's
+    strided sharding) says how q, k and v are split."""
     reference = {name: tuple(p.shape) for name, p in transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
                  .named_parameters(remove_duplicate=False)}
     for shapes in run_distributed(_shapes, tp * pp, checkpoint, tp, pp):
         expected = {name: reference[name] for name in shapes}
-        expected.update({name: (3, shape[0] // 3) for name, shape in expected.items() if name.endswith("c_attn.bias")})
         assert shapes and expected == shapes
