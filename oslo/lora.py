@@ -259,7 +259,8 @@ def _make_class():
             base, rng = self.get_base_layer(), self._oslo_context.rng
             group = getattr(base, "group", None)
             a_module, b_module = self.lora_A[name], self.lora_B[name]
-            a, b, b_bias = a_module.local_weight(), b_module.local_weight(), b_module.local_bias()
+            a, b, b_bias = (self._oslo_whole(t) for t in (a_module.local_weight(), b_module.local_weight(),
+                                                          b_module.local_bias()))
             dropout, h = self.lora_dropout[name], x.to(a.dtype)
             kind = self._oslo_kind
             if kind == "replicated":  # every rank computes the whole, identical product
@@ -299,7 +300,7 @@ def _make_class():
             weight = self._oslo_rows(_stored(base.weight)).to(h.dtype)
             with torch.no_grad():
                 norm = self._oslo_weight_norm(weight, self._oslo_rows(self.get_delta_weight(name)).to(h.dtype))
-            scale = self.lora_magnitude_vector[name].local_weight() / norm
+            scale = self._oslo_whole(self.lora_magnitude_vector[name].local_weight()) / norm
             if dropped:  # PEFT recomputes the base output on the dropped-out input
                 base_result = torch.nn.functional.linear(h, weight)
                 if self._oslo_kind == ROW:
@@ -309,6 +310,29 @@ def _make_class():
                 base_result = result if base.bias is None else result - local(base.bias, specs.get("bias"))
             return (scale - 1) * base_result + scale * lora * self.scaling[name]
 
+        @property
+        def _oslo_read_in_part(self) -> bool:
+            """A replicated layer of which each rank reads part of the output (the Llama family's key/value
+            projections when the tensor-parallel size does not divide their heads): the gradients of what
+            computes it come from this rank's part only, and are summed over the tensor-parallel group."""
+            return self._oslo_kind == "replicated" and getattr(self.get_base_layer(), "output_read_in_part", False)
+
+        def _oslo_whole(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+            """``tensor`` (a replicated parameter's) as computed on: its gradient summed over the group when each
+            rank reads part of the output."""
+            if tensor is None or not self._oslo_read_in_part:
+                return tensor
+            return copy_to_tensor_parallel(tensor, self._oslo_context.tensor_parallel_group)
+
+        def _oslo_base(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if not self._oslo_read_in_part:
+                return self.base_layer(x, *args, **kwargs)
+            base = self.get_base_layer()
+            specs = getattr(base, "parallel_specs", {})
+            weight = self._oslo_whole(local(base.weight, specs.get("weight")))
+            bias = None if base.bias is None else self._oslo_whole(local(base.bias, specs.get("bias")))
+            return torch.nn.functional.linear(x, weight, bias)
+
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if self._oslo_context is None:
                 return super().forward(x, *args, **kwargs)
@@ -317,8 +341,8 @@ def _make_class():
             if self.disable_adapters:
                 if self.merged:
                     self.unmerge()
-                return self.base_layer(x, *args, **kwargs)
-            result = self.base_layer(x, *args, **kwargs)
+                return self._oslo_base(x, *args, **kwargs)
+            result = self._oslo_base(x, *args, **kwargs)
             if self.merged:
                 return result
             dtype = result.dtype

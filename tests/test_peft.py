@@ -22,6 +22,8 @@ TARGETS = {
     "GPTNeoForCausalLM": dict(target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj"]),
     "BertForSequenceClassification": dict(target_modules=["query", "value", "dense"], modules_to_save=["classifier"]),
     "T5ForConditionalGeneration": dict(target_modules=["q", "k", "v", "o", "wi", "wo"]),
+    "LlamaForCausalLM": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"]),
 }
 CASES = [case for case in all_cases() if case.name in TARGETS and not case.variant]
 
@@ -205,6 +207,17 @@ def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, t
     _reference_adapter(case, tmp_path)
     assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp,
                            timeout=300) == [True] * processes
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_lora_on_replicated_key_value_heads_equals_peft_on_transformers(variant, tmp_path):
+    """Llama at tp=4 with 2 key/value heads: every rank holds the whole k_proj and v_proj and reads the rows of one
+    head, so their adapters' gradients (A, B, DoRA's magnitude) come from part of the output on each rank and are
+    summed over the group; the adapters must change the keys and values, as on one process."""
+    case = next(c for c in CASES if c.name == "LlamaForCausalLM")
+    _reference_adapter(case, tmp_path, **({"use_dora": True} if variant == "dora" else {}))
+    assert run_distributed(_split_equals_peft, 4, case.name, str(tmp_path), 4, 1, timeout=300) == [True] * 4
 
 
 VARIANTS = {"dora": dict(use_dora=True), "lora_bias": dict(lora_bias=True)}

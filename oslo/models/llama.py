@@ -97,6 +97,8 @@ class LlamaAttention(nn.Module):
         else:  # replicated; this rank projects the key/value heads its query heads read
             self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
             self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+            # Each rank reads part of their output: the gradients of what computes it are summed over the group.
+            self.k_proj.output_read_in_part = self.v_proj.output_read_in_part = True
             local_heads, group = heads // tp, heads // kv_heads
             self.kv_reads = [(rank * local_heads + j) // group for j in range(local_heads)]  # of each query head
             self.kv_rows = slice(self.kv_reads[0] * self.head_dim, (self.kv_reads[-1] + 1) * self.head_dim)
@@ -108,7 +110,11 @@ class LlamaAttention(nn.Module):
         """Each local query head's key/value head among the ones this rank projects."""
         return torch.tensor([read - self.kv_reads[0] for read in self.kv_reads])
 
-    def _replicated_projection(self, projection: nn.Linear, shared: torch.Tensor) -> torch.Tensor:
+    def _replicated_projection(self, projection: nn.Module, shared: torch.Tensor) -> torch.Tensor:
+        if type(projection) is not nn.Linear:
+            # Wrapped (a PEFT adapter, which sees output_read_in_part): its forward projects every key/value head
+            # and sums its gradients over the group itself; this rank keeps the rows of the heads it reads.
+            return projection(shared)[..., self.kv_rows]
         # The whole weight enters the group (its gradient, from this rank's heads only, is summed over the
         # ranks), then this rank keeps the rows of the heads it reads.
         weight = copy_to_tensor_parallel(local(projection.weight), self.tensor_parallel_group)[self.kv_rows]
