@@ -334,6 +334,13 @@ def _make_class():
             return torch.nn.functional.linear(x, weight, bias)
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            base = self.get_base_layer()
+            if kwargs.get("skip_bias_add", False) and base.bias is not None:
+                # A fused caller adds the layer's bias itself; DoRA's output reads the biased result (it scales the
+                # unbiased part), so the result is computed whole and the bias taken off after.
+                kwargs["skip_bias_add"] = False
+                return self.forward(x, *args, **kwargs) - local(base.bias, getattr(base, "parallel_specs", {})
+                                                                .get("bias"))
             if self._oslo_context is None:
                 return super().forward(x, *args, **kwargs)
             self._check_forward_args(x, *args, **kwargs)

@@ -134,6 +134,26 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_an_adapted_layer_leaves_the_bias_to_a_fused_caller(tmp_path):
+    """``fuse()``'s bias+dropout+add asks the projection for its output without the bias (``skip_bias_add``): with
+    DoRA, which scales the unbiased output, that is the adapted output minus the bias, as for plain LoRA."""
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    for options in (dict(use_dora=True), dict(lora_bias=True), {}):
+        model = peft.get_peft_model(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                    _lora_config(case, **options)).train()
+        with torch.no_grad():  # DoRA's magnitude starts at the weight's norm (a scale of 1): move it off
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(1.5)
+        layer = model.base_model.model.transformer.h[0].mlp.c_proj
+        with torch.no_grad():
+            layer.get_base_layer().bias.normal_()  # (GPT2's init zeroes it)
+        x = torch.randn(2, 3, layer.in_features)
+        torch.testing.assert_close(layer(x, skip_bias_add=True), layer(x) - layer.get_base_layer().bias,
+                                   msg=lambda m, o=options: f"{o}: {m}")
+
+
 def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size):
     import os
 
