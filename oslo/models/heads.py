@@ -120,11 +120,10 @@ def fused_loss_applies(model: nn.Module, projection: nn.Module, returned: bool) 
     """Whether a language-modeling loss may come straight from the hidden states
     (:func:`~oslo.parallel.loss.linear_cross_entropy`: the logits never built): nothing reads the logits (they
     are not ``returned``, no forward hook of the user's could keep them), the projection is oslo's own (not
-    wrapped, e.g. by an adapter), ``model.loss_chunk_size`` is not 0, and the call is not being traced by
-    ``torch.compile`` (which plans the logits' buffers itself)."""
+    wrapped, e.g. by an adapter) and ``model.loss_chunk_size`` is not 0. (Under ``torch.compile`` too: the
+    chunks trace, ignored tokens masked instead of dropped.)"""
     return (model.loss_chunk_size != 0 and type(projection) is VocabParallelLMHead
-            and not has_user_hooks(projection) and logits_are_private(model, returned)
-            and not torch.compiler.is_compiling())
+            and not has_user_hooks(projection) and logits_are_private(model, returned))
 
 
 def vocabulary_loss(model: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor | None, *,

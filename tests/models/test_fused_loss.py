@@ -91,3 +91,40 @@ def test_loss_from_hidden_states(tmp_path, tp):
         getattr(transformers, case.name)(case.config()).save_pretrained(tmp_path / case.key)
     results = run_distributed(_check, tp, str(tmp_path), timeout=300)
     assert results[0] == [case.key for case in lm_cases()]
+
+
+def _vocab_rows_per_graph(model, batch, vocab: int) -> list[int]:
+    """Compile ``model``'s training call (forward and backward graphs run eagerly, ``fullgraph=True``) and return,
+    per graph, the most rows of any tensor in it whose last dimension is ``vocab``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def record(graph, inputs):
+        rows = [node.meta["val"].numel() // vocab for node in graph.graph.nodes
+                if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dim() >= 1
+                and node.meta["val"].shape[-1] == vocab]
+        seen.append(max(rows, default=0))
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    compiled(**batch).loss.backward()
+    return seen
+
+
+def test_compiled_loss_does_not_build_the_logits():
+    """Under ``torch.compile`` the loss also comes a chunk at a time: neither the traced forward nor the traced
+    backward holds a vocabulary-wide tensor of every token (the lm_head weight's transpose is hidden-size rows)."""
+    config = transformers.GPT2Config(vocab_size=1001, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2)
+    batch = {"input_ids": torch.randint(3, 1001, (4, 16), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+    tokens = batch["input_ids"].numel()
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, seed=0).train()
+    model.loss_chunk_size = CHUNK
+    fused = _vocab_rows_per_graph(model, batch, config.vocab_size)
+    assert len(fused) == 2 and max(fused) <= config.n_embd < tokens, fused
+    model.loss_chunk_size = 0  # the whole logits: the same check sees them
+    assert max(_vocab_rows_per_graph(model, batch, config.vocab_size)) == tokens
