@@ -23,8 +23,13 @@ transformers' at tp=1 (and per rank at tp=2).
 (``--rounds``, default 3, after a warm-up of each); a step is the training call and ``loss.backward()``; the
 median of the per-round ratios chunked / logits is reported, rank 0's clock. Goal: ≤ 1.03 on CPU.
 
-Run: ``python benchmarks/fused_loss.py`` (``--part a`` or ``b``; ``--vocab 128256`` for one vocabulary; about
-20 minutes on 2 CPU cores).
+(c) Compiled time (tp=1): two models of the same weights under ``torch.compile(model, fullgraph=True)``
+(inductor), one with ``loss_chunk_size=0`` (the whole logits: what a compiled call builds by default), one with
+``loss_chunk_size`` set to the chunk the default picks in eager calls; alternated as in (b); the median ratio
+chunked / whole is printed, nothing claimed (the default under compile follows it).
+
+Run: ``python benchmarks/fused_loss.py`` (``--part a``, ``b`` or ``c``; ``--vocab 128256`` for one vocabulary;
+(a) and (b) about 20 minutes on 2 CPU cores, (c) about 3 minutes per vocabulary).
 """
 
 from __future__ import annotations
@@ -108,6 +113,47 @@ def _times(rank: int, world_size: int, config, args) -> dict[str, list[float]]:
     return times
 
 
+def part_c(args) -> None:
+    print(f"\n(c) compiled step time (inductor, fullgraph), tp=1, chunked / whole logits, median of {args.rounds} "
+          "rounds")
+    torch.set_num_threads(args.threads)
+    for vocab in args.vocab:
+        config = _config(args, vocab)
+        ids = _batch(args, vocab).to(args.device)
+        chunk = oslo.parallel.loss_chunk_rows(ids.numel(), config.n_embd, vocab)
+        compiled = {}
+        for name, size in (("whole", 0), ("chunked", chunk)):
+            model = _build("oslo, chunked", config, 1, args.device)
+            model.loss_chunk_size = size
+            compiled[name] = (model, torch.compile(model, fullgraph=True))
+
+        def step(name: str, compiled=compiled, ids=ids) -> float:
+            model, call = compiled[name]
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            call(input_ids=ids, labels=ids).loss.backward()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            return elapsed
+
+        first = {name: step(name) for name in compiled}  # compiles
+        times: dict[str, list[float]] = {name: [] for name in compiled}
+        order = list(compiled)
+        for round_index in range(args.rounds):
+            for name in order[round_index % 2:] + order[:round_index % 2]:
+                times[name].append(step(name))
+        ratios = [c / w for c, w in zip(times["chunked"], times["whole"], strict=True)]
+        print(f"   vocab {vocab:>6} (chunks of {chunk} tokens): whole {bench.median(times['whole']):.3f} s, chunked "
+              f"{bench.median(times['chunked']):.3f} s; ratio {bench.median(ratios):.3f} "
+              f"({', '.join(f'{r:.3f}' for r in ratios)}); first calls (compile) "
+              f"{first['whole']:.0f} s / {first['chunked']:.0f} s")
+        compiled.clear()
+        gc.collect()
+
+
 def part_a(args) -> bool:
     print(f"\n(a) peak memory of one training call above the memory before it ({args.batch} x {args.seq} tokens)")
     ok = True
@@ -166,7 +212,7 @@ def part_b(args) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("a", "b", "all"), default="all")
+    parser.add_argument("--part", choices=("a", "b", "c", "all"), default="all")
     parser.add_argument("--vocab", type=int, nargs="*", default=list(VOCABS))
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=128)
@@ -184,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = part_a(args) and ok
     if args.part in ("b", "all"):
         ok = part_b(args) and ok
+    if args.part in ("c", "all"):
+        part_c(args)
     print(f"\noverall: {bench.verdict(ok)}")
     return 0 if ok else 1
 

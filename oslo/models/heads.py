@@ -120,10 +120,13 @@ def fused_loss_applies(model: nn.Module, projection: nn.Module, returned: bool) 
     """Whether a language-modeling loss may come straight from the hidden states
     (:func:`~oslo.parallel.loss.linear_cross_entropy`: the logits never built): nothing reads the logits (they
     are not ``returned``, no forward hook of the user's could keep them), the projection is oslo's own (not
-    wrapped, e.g. by an adapter) and ``model.loss_chunk_size`` is not 0. (Under ``torch.compile`` too: the
-    chunks trace, ignored tokens masked instead of dropped.)"""
-    return (model.loss_chunk_size != 0 and type(projection) is VocabParallelLMHead
-            and not has_user_hooks(projection) and logits_are_private(model, returned))
+    wrapped, e.g. by an adapter) and ``model.loss_chunk_size`` is not 0. Under ``torch.compile`` only when
+    ``loss_chunk_size`` is set (the chunks trace, ignored tokens masked instead of dropped): by default a compiled
+    call builds the whole logits, measured faster there (``benchmarks/fused_loss.py --part c``)."""
+    chunks = model.loss_chunk_size
+    return (chunks != 0 and (chunks is not None or not torch.compiler.is_compiling())
+            and type(projection) is VocabParallelLMHead and not has_user_hooks(projection)
+            and logits_are_private(model, returned))
 
 
 def vocabulary_loss(model: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor | None, *,

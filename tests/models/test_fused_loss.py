@@ -115,8 +115,9 @@ def _vocab_rows_per_graph(model, batch, vocab: int) -> list[int]:
 
 
 def test_compiled_loss_does_not_build_the_logits():
-    """Under ``torch.compile`` the loss also comes a chunk at a time: neither the traced forward nor the traced
-    backward holds a vocabulary-wide tensor of every token (the lm_head weight's transpose is hidden-size rows)."""
+    """Under ``torch.compile`` with ``loss_chunk_size`` set the loss also comes a chunk at a time: neither the traced
+    forward nor the traced backward holds a vocabulary-wide tensor of every token (the lm_head weight's transpose
+    is hidden-size rows). By default (``None``) a compiled call builds the whole logits (measured faster)."""
     config = transformers.GPT2Config(vocab_size=1001, n_embd=32, n_layer=1, n_head=4, n_positions=64,
                                      bos_token_id=1, eos_token_id=2)
     batch = {"input_ids": torch.randint(3, 1001, (4, 16), generator=torch.Generator().manual_seed(0))}
@@ -126,5 +127,6 @@ def test_compiled_loss_does_not_build_the_logits():
     model.loss_chunk_size = CHUNK
     fused = _vocab_rows_per_graph(model, batch, config.vocab_size)
     assert len(fused) == 2 and max(fused) <= config.n_embd < tokens, fused
-    model.loss_chunk_size = 0  # the whole logits: the same check sees them
-    assert max(_vocab_rows_per_graph(model, batch, config.vocab_size)) == tokens
+    for whole in (0, None):  # the whole logits: the same check sees them
+        model.loss_chunk_size = whole
+        assert max(_vocab_rows_per_graph(model, batch, config.vocab_size)) == tokens, whole
