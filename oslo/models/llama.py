@@ -111,8 +111,8 @@ class LlamaAttention(nn.Module):
         return torch.tensor([read - self.kv_reads[0] for read in self.kv_reads])
 
     def _replicated_projection(self, projection: nn.Module, shared: torch.Tensor) -> torch.Tensor:
-        if type(projection) is not nn.Linear:
-            # Wrapped (a PEFT adapter, which sees output_read_in_part): its forward projects every key/value head
+        if hasattr(projection, "get_base_layer"):
+            # Wrapped by a PEFT adapter (which sees output_read_in_part): its forward projects every key/value head
             # and sums its gradients over the group itself; this rank keeps the rows of the heads it reads.
             return projection(shared)[..., self.kv_rows]
         # The whole weight enters the group (its gradient, from this rank's heads only, is summed over the
