@@ -152,9 +152,10 @@ def _make_class():
         """PEFT's ``lora.Linear`` around an oslo :class:`~oslo.parallel.ColumnParallelLinear` or
         :class:`~oslo.parallel.RowParallelLinear`. In one process it is PEFT's class as it is (the layer holds the
         whole weight). With several processes its LoRA matrices are :class:`_Shard` DTensors, split like the
-        layer: for a column-parallel layer ``A`` whole and ``B`` split like the output features, for a row-parallel
-        layer ``A`` split like the input features and ``B`` whole; the forward adds one small collective of
-        ``r`` features per adapter, so that values and gradients are those of the unsplit layer."""
+        layer: for a column-parallel layer ``A`` whole and ``B`` split like the output features (like the vocabulary,
+        padding rows included, on an LM head), for a row-parallel layer ``A`` split like the input features and
+        ``B`` whole; the forward adds one small collective of ``r`` features per adapter (DoRA on a row-parallel
+        layer one more, its weight norm), so that values and gradients are those of the unsplit layer."""
 
         def __init__(self, base_layer, adapter_name: str, config, **kwargs) -> None:
             # LoraLayer reads the features of nn.Linear and Conv1D only; oslo's layers state them themselves.
@@ -167,12 +168,12 @@ def _make_class():
                               "weight as (in_features, out_features), as transformers' Conv1D. Setting "
                               "fan_in_fan_out to True.", stacklevel=3)
                 config.fan_in_fan_out = True
-            if self._oslo_context is not None and getattr(base, "weight_spec", None) is not None \
+            if self._oslo_context is not None and config.use_dora and getattr(base, "weight_spec", None) is not None \
                     and base.weight_spec.kind == VOCAB:
                 raise NotImplementedError(
-                    f"LoRA on a vocabulary-split layer ({type(base).__name__} with {base.out_features} outputs, an LM "
-                    "head) of an oslo model of several processes is not implemented yet: target the attention and MLP "
-                    "layers, or adapt it in one process.")
+                    f"DoRA on a vocabulary-split layer ({type(base).__name__} with {base.out_features} outputs, an LM "
+                    "head) of an oslo model of several processes is not implemented yet (plain LoRA is): target the "
+                    "attention and MLP layers with DoRA, or adapt it in one process.")
             if self._oslo_context is not None and config.use_dora and getattr(base, "gather_output", False):
                 raise NotImplementedError(
                     f"DoRA on a {type(base).__name__} that gathers its output (gather_output=True) of an oslo model of "
@@ -211,7 +212,9 @@ def _make_class():
             kind = self._oslo_kind
             if kind != "replicated":
                 base_spec = self.get_base_layer().parallel_specs["weight"]
-            if kind == COLUMN:  # B (and its bias) split like the output features (GPT2's fused q/k/v block by block)
+            if kind == COLUMN and base_spec.kind == VOCAB:  # B's rows split like the vocabulary, padding included
+                spec_b = ShardSpec(VOCAB, 0, self.out_features, base_spec.world_size, base_spec.rank)
+            elif kind == COLUMN:  # B (and its bias) split like the output features (GPT2's fused q/k/v block by block)
                 spec_b = ShardSpec(COLUMN, 0, self.out_features, base_spec.world_size, base_spec.rank,
                                    base_spec.chunks)
             elif kind == ROW:  # A split like the input features

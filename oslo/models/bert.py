@@ -649,7 +649,7 @@ class _BertPredictions(VocabularyHead):
     def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden_states)  # (..., V_local); its forward runs, and hooks on it see it
 
-    def _vocab_projection(self) -> VocabParallelLMHead:
+    def _vocab_module(self) -> nn.Module:
         return self.cls.predictions.decoder
 
 

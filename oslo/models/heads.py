@@ -135,7 +135,7 @@ def vocabulary_loss(model: nn.Module, hidden_states: torch.Tensor, labels: torch
     ``shift``; ``None`` without labels) and this rank's vocabulary columns of the logits (``None`` when they
     were not built: see :func:`fused_loss_applies`). ``returned``: the logits are gathered for the output."""
     projection = model._vocab_projection()
-    if labels is not None and fused_loss_applies(model, projection, returned):
+    if labels is not None and fused_loss_applies(model, model._vocab_module(), returned):
         return projection.loss_from_features(model._lm_features(hidden_states), labels, shift=shift,
                                              chunk_rows=model.loss_chunk_size), None
     local_logits = model._lm_logits(hidden_states)  # (..., V_local)
@@ -175,11 +175,16 @@ class VocabularyHead:
 
     def _lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns of the logits, ``(..., V_local)``."""
-        return self._vocab_projection()(self._lm_features(hidden_states))
+        return self._vocab_module()(self._lm_features(hidden_states))
+
+    def _vocab_module(self) -> nn.Module:
+        """The module the logits come from, as the model holds it (an adapter may wrap the projection)."""
+        return self.lm_head
 
     def _vocab_projection(self) -> VocabParallelLMHead:
-        """The vocabulary-split projection (its vocabulary range, group, losses and ``gather``)."""
-        return self.lm_head
+        """The vocabulary-split projection itself, unwrapped (its vocabulary range, group, losses and ``gather``)."""
+        module = self._vocab_module()
+        return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
 
 class CausalLMHead(VocabularyHead):

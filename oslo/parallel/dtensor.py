@@ -584,6 +584,22 @@ def install_torch_hooks() -> None:
         FSDPParam.__init__ = _fsdp_sees_blocks(FSDPParam.__init__)
 
 
+def _whole_to_slice(module: nn.Module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of a module with DTensor parameters: a whole plain tensor of a parameter's
+    (transformers') shape — a transformers state dict, the embedding layers PEFT saves beside an adapter — is cut
+    to this rank's slice, as a DTensor of the parameter's layout (a DTensor is loaded as it is)."""
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(param, DTensor) or not hasattr(param, "_oslo_spec") or isinstance(value, DTensor) \
+                or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+            continue
+        spec = param._oslo_spec
+        value = value.to(device=param.device, dtype=param.dtype)
+        part = value if spec is None else spec.shard(lambda start, stop, v=value, s=spec: v.narrow(s.dim, start,
+                                                                                                  stop - start))
+        state_dict[prefix + name] = _wrap(_local_of(part, spec), param)
+
+
 def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leaves: bool = False) -> None:
     """Make every parameter of ``model`` a DTensor on the tensor-parallel mesh (see the module docstring).
     The layers' plain parameters become the storages; tied parameters stay tied. With pipelines the mesh is
@@ -612,7 +628,8 @@ def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leav
             module._parameters[name] = dt
         if any(isinstance(p, DTensor) for p in module._parameters.values()) and "_oslo_hooks" not in module.__dict__:
             module._oslo_hooks = (module.register_forward_pre_hook(_swap_in),
-                                  module.register_forward_hook(_swap_out, always_call=True))
+                                  module.register_forward_hook(_swap_out, always_call=True),
+                                  module.register_load_state_dict_pre_hook(_whole_to_slice))
     model._oslo_distributed = True
     if plain_leaves:
         use_plain_leaves(model)

@@ -247,3 +247,26 @@ def test_every_parameter_has_transformers_shape(checkpoint, tp, pp):
     for shapes in run_distributed(_shapes, tp * pp, checkpoint, tp, pp):
         expected = {name: reference[name] for name in shapes}
         assert shapes and expected == shapes
+
+
+def _load_whole_state_dict(rank, world_size, path):
+    """A transformers state dict (whole plain tensors) loaded into a split model with other weights."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(reference.config, tensor_parallel_size=world_size,
+                                                            seed=5).eval()
+    batch = global_batch()
+    with torch.no_grad():
+        before = model(**batch).logits
+        result = model.load_state_dict(reference.state_dict(), strict=False)
+        after = model(**batch).logits
+        expected = reference(**batch).logits
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert not torch.allclose(before, expected)
+    torch.testing.assert_close(after, expected)
+    return True
+
+
+def test_a_whole_state_dict_loads_into_a_split_model(checkpoint):
+    """``load_state_dict`` of transformers' whole tensors at tp=2: each parameter takes its slice (GPT2's fused
+    c_attn block by block, the vocabulary padded), as the embedding layers PEFT saves beside an adapter load."""
+    assert run_distributed(_load_whole_state_dict, 2, checkpoint) == [True, True]
