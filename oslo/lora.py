@@ -597,3 +597,31 @@ def _install_copies_and_saves() -> None:
 
     BaseTuner._get_module_names_tied_with_embedding = tied_on_this_stage
 
+    # Merging into a layer tied across pipeline stages would change one stage's copy only (transformers' tie is one
+    # tensor: PEFT's merge changes the input embeddings too). PEFT asks every rank before any merge.
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    check_merge = LoraModel._check_merge_allowed
+
+    @functools.wraps(check_merge)
+    def merge_allowed(self):
+        check_merge(self)
+        model = getattr(self, "model", None)
+        if getattr(model, "parallel_context", None) is None or model.parallel_context.pipeline_parallel_size == 1:
+            return
+        from oslo.parallel.ties import tie_families
+
+        tied = {name.rsplit(".", 1)[0] for source, members in tie_families(model).items()
+                for name in (source, *members)}
+        for config in self.peft_config.values():
+            targeted = sorted(module for module in tied if check_target_module_exists(config, module))
+            if targeted:
+                raise NotImplementedError(
+                    f"merging an adapter of {', '.join(targeted)} (tied across pipeline stages: each stage holds a "
+                    f"copy) at pipeline_parallel_size={model.parallel_context.pipeline_parallel_size} is not "
+                    "implemented yet: merge it in a model of one stage (load the saved adapter there), or keep it "
+                    "unmerged.")
+
+    LoraModel._check_merge_allowed = merge_allowed
+
