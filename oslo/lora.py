@@ -45,6 +45,7 @@ from oslo.parallel.mappings import (
     scatter_to_tensor_parallel,
 )
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
+from oslo.parallel.ties import tie_families
 
 __all__ = ["ParallelLoraLinear", "install"]
 
@@ -610,8 +611,6 @@ def _install_copies_and_saves() -> None:
         model = getattr(self, "model", None)
         if getattr(model, "parallel_context", None) is None or model.parallel_context.pipeline_parallel_size == 1:
             return
-        from oslo.parallel.ties import tie_families
-
         tied = {name.rsplit(".", 1)[0] for source, members in tie_families(model).items()
                 for name in (source, *members)}
         for config in self.peft_config.values():
