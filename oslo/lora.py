@@ -63,6 +63,8 @@ class _Shard(torch.nn.Module):
         parts: ``name -> (local, global_shape, spec)``: this rank's slice, the whole tensor's shape, how it is split.
     """
 
+    loads_whole_tensors = True  # its _load_from_state_dict cuts them (no collective)
+
     def __init__(self, parts: dict[str, tuple[torch.Tensor, tuple[int, ...], ShardSpec | None]], context) -> None:
         super().__init__()
         self._shapes = {name: tuple(shape) for name, (_, shape, _) in parts.items()}

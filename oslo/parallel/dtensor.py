@@ -587,7 +587,10 @@ def install_torch_hooks() -> None:
 def _whole_to_slice(module: nn.Module, state_dict, prefix, *args) -> None:
     """``load_state_dict`` pre-hook of a module with DTensor parameters: a whole plain tensor of a parameter's
     (transformers') shape — a transformers state dict, the embedding layers PEFT saves beside an adapter — is cut
-    to this rank's slice, as a DTensor of the parameter's layout (a DTensor is loaded as it is)."""
+    to this rank's slice, as a DTensor of the parameter's layout (a DTensor is loaded as it is). Modules that cut
+    whole tensors themselves (``loads_whole_tensors``: an adapter's matrices) are left to do it."""
+    if getattr(module, "loads_whole_tensors", False):
+        return
     for name, param in module._parameters.items():
         value = state_dict.get(prefix + name)
         if not isinstance(param, DTensor) or not hasattr(param, "_oslo_spec") or isinstance(value, DTensor) \
