@@ -578,8 +578,10 @@ def install_torch_hooks() -> None:
     if all(f is not None for f in functions) and not getattr(functions[0], "_oslo_blocks", False):
         for name, function in zip(names, _fused_as_blocks(*functions), strict=True):
             setattr(_dcp_state_dict, name, function)
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
+    try:  # (FSDP2's parameter class is private: a torch without it has nothing to adjust)
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return
     if not getattr(FSDPParam.__init__, "_oslo_blocks", False):
         FSDPParam.__init__ = _fsdp_sees_blocks(FSDPParam.__init__)
 
