@@ -286,6 +286,17 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def alternate(step: Callable[[str], float], names: list[str], rounds: int) -> dict[str, list[float]]:
+    """``step(name)``'s times for each variant over ``rounds`` rounds, every variant once per round, the order
+    rotating from round to round (so that neither always runs first)."""
+    names = list(names)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in names[round_index % 2:] + names[:round_index % 2]:
+            times[name].append(step(name))
+    return times
+
+
 def fmt_times(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values)
 

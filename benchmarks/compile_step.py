@@ -110,12 +110,7 @@ def _tp_rank(rank: int, world_size: int, config, args) -> dict[str, list[float]]
               f"{loss.item():.6f} vs eager {expected.item():.6f}", flush=True)
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
     _step(ours, ids)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants)
-    for round_index in range(args.rounds):
-        for name in order[round_index % 2:] + order[:round_index % 2]:
-            times[name].append(_step(variants[name], ids))
-    return times
+    return bench.alternate(lambda name: _step(variants[name], ids), list(variants), args.rounds)
 
 
 def _tensor_parallel(config, args) -> int:

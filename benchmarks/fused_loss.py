@@ -86,6 +86,20 @@ def _memory(rank: int, world_size: int, variant: str, config, args) -> int:
     return bench.proc_status("VmHWM")["VmHWM"] - before
 
 
+def _timed_step(model, call, ids: torch.Tensor, device: str) -> float:
+    """Seconds of one training call through ``call`` (the model or its compiled form) and its backward; the
+    model's gradients are cleared after the clock stops."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    call(input_ids=ids, labels=ids).loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
 def _times(rank: int, world_size: int, config, args) -> dict[str, list[float]]:
     model = _build("oslo, chunked", config, world_size, args.device)
     ids = _batch(args, config.vocab_size).to(args.device)
@@ -93,24 +107,11 @@ def _times(rank: int, world_size: int, config, args) -> dict[str, list[float]]:
 
     def step(name: str) -> float:
         model.loss_chunk_size = sizes[name]
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return elapsed
+        return _timed_step(model, model, ids, args.device)
 
     for name in sizes:
         step(name)
-    times: dict[str, list[float]] = {name: [] for name in sizes}
-    order = list(sizes)
-    for round_index in range(args.rounds):
-        for name in order[round_index % 2:] + order[:round_index % 2]:
-            times[name].append(step(name))
-    return times
+    return bench.alternate(step, list(sizes), args.rounds)
 
 
 def part_c(args) -> None:
@@ -128,23 +129,10 @@ def part_c(args) -> None:
             compiled[name] = (model, torch.compile(model, fullgraph=True))
 
         def step(name: str, compiled=compiled, ids=ids) -> float:
-            model, call = compiled[name]
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            call(input_ids=ids, labels=ids).loss.backward()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            model.zero_grad(set_to_none=True)
-            return elapsed
+            return _timed_step(*compiled[name], ids, args.device)
 
         first = {name: step(name) for name in compiled}  # compiles
-        times: dict[str, list[float]] = {name: [] for name in compiled}
-        order = list(compiled)
-        for round_index in range(args.rounds):
-            for name in order[round_index % 2:] + order[:round_index % 2]:
-                times[name].append(step(name))
+        times = bench.alternate(step, list(compiled), args.rounds)
         ratios = [c / w for c, w in zip(times["chunked"], times["whole"], strict=True)]
         print(f"   vocab {vocab:>6} (chunks of {chunk} tokens): whole {bench.median(times['whole']):.3f} s, chunked "
               f"{bench.median(times['chunked']):.3f} s; ratio {bench.median(ratios):.3f} "

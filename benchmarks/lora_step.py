@@ -65,11 +65,7 @@ def _rank(rank: int, world_size: int, config, args) -> dict:
 
     for name in models:  # warm-up; the optimizers' state exists from here on
         step(name)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    order = list(models)
-    for round_index in range(args.rounds):
-        for name in order[round_index % 2:] + order[:round_index % 2]:
-            times[name].append(step(name))
+    times = bench.alternate(step, list(models), args.rounds)
     adapter = [p for p in lora.parameters() if p.requires_grad]
     whole_adapter = sum(p.numel() * p.element_size() for p in adapter)  # DTensors: the global shape
     return {
