@@ -74,7 +74,7 @@ def convert_state_dict(
         if spec is None:
             out[key] = tensor
         else:
-            out[key] = spec.shard(lambda start, stop, t=tensor, d=spec.dim: t.narrow(d, start, stop - start)).clone()
+            out[key] = spec.slice_of(tensor).clone()
     if unknown:
         raise ValueError(f"{len(unknown)} key(s) of the state dict are no parameters of {cls.__name__}: "
                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}. Pass the model (or config) the "

@@ -132,7 +132,7 @@ class _Shard(torch.nn.Module):
 
 def _slice(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """This rank's slice of a whole tensor (itself when it is not split)."""
-    return full if spec is None else spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
+    return full if spec is None else spec.slice_of(full)
 
 
 def _stored(param: torch.Tensor) -> torch.Tensor:

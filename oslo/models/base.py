@@ -585,7 +585,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         full = self._seeded_global_init(name, global_shape, self.parallel_context.seed)
         if spec is None:
             return full
-        return spec.shard(lambda start, stop: full.narrow(spec.dim, start, stop - start))
+        return spec.slice_of(full)
 
     # ---- construction (see oslo.models.build) ------------------------------------------------
     def _init_buffers(self, module: nn.Module) -> None:

@@ -600,8 +600,7 @@ def _whole_to_slice(module: nn.Module, state_dict, prefix, *args) -> None:
             continue
         spec = param._oslo_spec
         value = value.to(device=param.device, dtype=param.dtype)
-        part = value if spec is None else spec.shard(lambda start, stop, v=value, s=spec: v.narrow(s.dim, start,
-                                                                                                  stop - start))
+        part = value if spec is None else spec.slice_of(value)
         state_dict[prefix + name] = _wrap(_local_of(part, spec), param)
 
 

@@ -126,6 +126,11 @@ class ShardSpec:
                 pieces.append(template.new_zeros(shape))
         return torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0]
 
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor cut from the whole (unpadded) tensor ``full`` in memory (vocabulary padding
+        rows zero): :meth:`shard` reading views of it."""
+        return self.shard(lambda start, stop: full.narrow(self.dim, start, stop - start))
+
     def merge(self, locals_: list[torch.Tensor]) -> torch.Tensor:
         """Rebuild the global (unpadded) tensor from every rank's local tensor, in rank order."""
         if self.kind == VOCAB:
