@@ -26,10 +26,20 @@ median of the per-round ratios chunked / logits is reported, rank 0's clock. Goa
 (c) Compiled time (tp=1): two models of the same weights under ``torch.compile(model, fullgraph=True)``
 (inductor), one with ``loss_chunk_size=0`` (the whole logits: what a compiled call builds by default), one with
 ``loss_chunk_size`` set to the chunk the default picks in eager calls; alternated as in (b); the median ratio
-chunked / whole is printed, nothing claimed (the default under compile follows it).
+chunked / whole is printed, nothing claimed (the default under compile follows it). On CUDA (b) and (c) run under
+bf16 autocast.
+
+(d) On a CUDA GPU (``--device cuda``, tp=1), bf16 autocast over float32 parameters: the whole step (training call
+and backward) and its peak memory above what was allocated before it, for ``transformers`` (its model, the whole
+logits), ``liger`` (transformers' blocks, then Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` on the
+shifted hidden states and the tied weight: Liger's fused chunks, where ``pip install liger-kernel`` works),
+``oslo, logits``, ``oslo, chunked`` (the default) and ``oslo, N rows`` for each ``--chunk-rows N``; ``--steps``
+steps per variant per round, alternated over ``--rounds`` rounds; the medians of the per-round ratios to
+``oslo, logits`` and to ``liger``. Goal (issue 16): chunked ≤ 1.0 × the whole logits on a GPU.
 
 Run: ``python benchmarks/fused_loss.py`` (``--part a``, ``b`` or ``c``; ``--vocab 128256`` for one vocabulary;
-(a) and (b) about 20 minutes on 2 CPU cores, (c) about 3 minutes per vocabulary).
+(a) and (b) about 20 minutes on 2 CPU cores, (c) about 3 minutes per vocabulary); on a GPU
+``python benchmarks/fused_loss.py --device cuda --part d --n-embd 1024`` (under a minute on an H100).
 """
 
 from __future__ import annotations
@@ -87,12 +97,14 @@ def _memory(rank: int, world_size: int, variant: str, config, args) -> int:
 
 
 def _timed_step(model, call, ids: torch.Tensor, device: str) -> float:
-    """Seconds of one training call through ``call`` (the model or its compiled form) and its backward; the
-    model's gradients are cleared after the clock stops."""
+    """Seconds of one training call through ``call`` (the model or its compiled form) and its backward (under bf16
+    autocast on CUDA); the model's gradients are cleared after the clock stops."""
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    call(input_ids=ids, labels=ids).loss.backward()
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss = call(input_ids=ids, labels=ids).loss
+    loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -121,7 +133,7 @@ def part_c(args) -> None:
     for vocab in args.vocab:
         config = _config(args, vocab)
         ids = _batch(args, vocab).to(args.device)
-        chunk = oslo.parallel.loss_chunk_rows(ids.numel(), config.n_embd, vocab)
+        chunk = oslo.parallel.loss_chunk_rows(ids.numel(), config.n_embd, vocab, args.device)
         compiled = {}
         for name, size in (("whole", 0), ("chunked", chunk)):
             model = _build("oslo, chunked", config, 1, args.device)
@@ -140,6 +152,92 @@ def part_c(args) -> None:
               f"{first['whole']:.0f} s / {first['chunked']:.0f} s")
         compiled.clear()
         gc.collect()
+
+
+def _liger_loss():
+    """Liger-Kernel's fused linear cross entropy module, or None where it does not import."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as error:  # noqa: BLE001 - not installed, or no triton/CUDA: the variant is left out
+        print(f"   liger: left out ({type(error).__name__}: {error})")
+        return None
+    return LigerFusedLinearCrossEntropyLoss()
+
+
+def part_d(args) -> bool:
+    device = args.device
+    print(f"\n(d) {device}, tp=1, bf16 autocast, {args.batch} x {args.seq} tokens: step time (training call + "
+          f"backward, {args.steps} steps per round, median of {args.rounds} rounds) and peak memory above the step's "
+          "start")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("   no CUDA GPU: skipped")
+        return True
+    cuda = device == "cuda"
+    ok = True
+    liger = _liger_loss()
+    for vocab in args.vocab:
+        config = _config(args, vocab)
+        ids = _batch(args, vocab).to(device)
+        reference = _build("transformers", config, 1, device)
+        model = _build("oslo, chunked", config, 1, device)
+        sizes = {"oslo, logits": 0, "oslo, chunked": None} | {f"oslo, {n} rows": n for n in args.chunk_rows}
+
+        def loss_of(name: str, reference=reference, model=model, ids=ids, sizes=sizes) -> torch.Tensor:
+            if name == "transformers":
+                return reference(input_ids=ids, labels=ids).loss
+            if name == "liger":
+                hidden = reference.transformer(input_ids=ids).last_hidden_state[:, :-1]
+                return liger(reference.lm_head.weight, hidden.reshape(-1, hidden.size(-1)), ids[:, 1:].reshape(-1))
+            model.loss_chunk_size = sizes[name]
+            return model(input_ids=ids, labels=ids).loss
+
+        peaks: dict[str, list[int]] = {}
+        losses: dict[str, float] = {}
+
+        def step(name: str, loss_of=loss_of, peaks=peaks, losses=losses, reference=reference, model=model) -> float:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = loss_of(name)
+                loss.backward()
+                (reference if name in ("transformers", "liger") else model).zero_grad(set_to_none=False)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - start) / args.steps
+            peaks.setdefault(name, []).append(torch.cuda.max_memory_allocated() - before if cuda else 0)
+            losses[name] = loss.item()
+            return elapsed
+
+        names = ["transformers", *sizes] + (["liger"] if liger is not None else [])
+        for name in names:  # warm-up: Triton's compilations, cuBLAS's handles, the gradients' buffers
+            step(name)
+        peaks.clear()
+        times = bench.alternate(step, names, args.rounds)
+        chunk = oslo.parallel.loss_chunk_rows(ids.numel(), config.n_embd, vocab, device)
+        print(f"   vocab {vocab:>6} (oslo's chunks of {chunk} tokens):")
+        for name in names:
+            line = f"      {name:<18} {1e3 * bench.median(times[name]):8.2f} ms"
+            if cuda:
+                line += f"  peak {bench.mib(max(peaks[name]))}"
+            line += f"  loss {losses[name]:.4f}"
+            for base in ("oslo, logits", "liger"):
+                if base in times and base != name:
+                    ratios = [a / b for a, b in zip(times[name], times[base], strict=True)]
+                    line += f"  ÷ {base} {bench.median(ratios):.3f}"
+            print(line)
+        ratio = bench.median([a / b for a, b in zip(times["oslo, chunked"], times["oslo, logits"], strict=True)])
+        passed = ratio <= 1.0 if cuda else ratio <= 1.03
+        ok = ok and passed
+        print(f"      chunked ÷ whole logits {ratio:.3f} (goal ≤ {1.0 if cuda else 1.03}) {bench.verdict(passed)}")
+        del reference, model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return ok
 
 
 def part_a(args) -> bool:
@@ -200,13 +298,16 @@ def part_b(args) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("a", "b", "c", "all"), default="all")
+    parser.add_argument("--part", choices=("a", "b", "c", "d", "all"), default="all")
     parser.add_argument("--vocab", type=int, nargs="*", default=list(VOCABS))
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="(d) steps per variant per round")
+    parser.add_argument("--chunk-rows", type=int, nargs="*", default=[],
+                        help="(d) also time oslo with loss_chunk_size set to each of these")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
@@ -220,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = part_b(args) and ok
     if args.part in ("c", "all"):
         part_c(args)
+    if args.part == "d" or (args.part == "all" and args.device == "cuda"):
+        ok = part_d(args) and ok
     print(f"\noverall: {bench.verdict(ok)}")
     return 0 if ok else 1
 

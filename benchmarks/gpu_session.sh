@@ -4,9 +4,11 @@
 #   bash benchmarks/gpu_session.sh [all|tests|bench] [OUTPUT_DIR]     # default: all, $OUT or ./gpu_output
 #
 # Each step has its own time limit and writes its log to OUTPUT_DIR; a failing step does not stop the
-# next. Runs from a checkout without installing it (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default
-# 360) bounds benchmarks/gpu_step.py. The tests that fork ranks run in their own pytest process: a
-# parent that has used CUDA cannot fork CUDA users.
+# next. The three test files run at once; the benchmarks (benchmarks/fused_loss.py's GPU part, then
+# benchmarks/gpu_step.py) run alone, one after the other. Runs from a checkout without installing it
+# (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default 360) bounds benchmarks/gpu_step.py; GPU_STEP_ARGS adds
+# arguments to it (--skip-compile: the eager variants and generation alone, about a minute). The tests that
+# fork ranks run in their own pytest process: a parent that has used CUDA cannot fork CUDA users.
 set -u
 cd "$(dirname "$0")/.."
 python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null || {
@@ -33,12 +35,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$out/device.txt"
 
-if [ "$part" != bench ]; then
-    step tests_device 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_device_dtype.py -k cuda
-    step tests_gloo_cuda 100 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_gloo.py
-    step tests_kernels 170 python3 -m pytest -q -p no:cacheprovider tests/kernels
+if [ "$part" != bench ]; then  # three pytest processes at once: the GPU and 16 cores hold them, nothing is timed
+    step tests_device 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_device_dtype.py -k cuda &
+    step tests_gloo_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_gloo.py &
+    step tests_kernels 200 python3 -m pytest -q -p no:cacheprovider tests/kernels &
+    wait
 fi
 if [ "$part" != tests ]; then
+    step fused_loss 120 python3 benchmarks/fused_loss.py --device cuda --part d --n-embd 1024 \
+        --chunk-rows 256 512 2048 4096
     budget="${GPU_STEP_BUDGET:-360}"
-    step gpu_step $((budget + 60)) python3 benchmarks/gpu_step.py --budget-s "$budget" --json "$out/gpu_step.json"
+    # shellcheck disable=SC2086  # GPU_STEP_ARGS: extra arguments, word-split on purpose (--skip-compile, say)
+    step gpu_step $((budget + 60)) python3 benchmarks/gpu_step.py --budget-s "$budget" --json "$out/gpu_step.json" \
+        ${GPU_STEP_ARGS:-}
 fi

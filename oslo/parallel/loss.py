@@ -59,12 +59,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def loss_chunk_rows(rows: int, hidden_size: int, local_vocab: int) -> int:
+CUDA_MIN_CHUNK_ROWS = 2048
+"""The fewest tokens a chunk of :func:`linear_cross_entropy` takes on a CUDA device (when there are that many).
+Each chunk reads the projection's weight twice and adds its gradient into a float32 accumulator of the weight's
+size: with fewer rows those products are bound by memory, not arithmetic. Measured on an H100 (GPT2 width 1024,
+8 x 1024 tokens, bf16 autocast, ``benchmarks/fused_loss.py --part d``): the step with chunks of 1024 tokens took
+1.154x the whole logits' time at a 50,257-token vocabulary, 2048 took 0.983x (0.894x at 128,256)."""
+
+
+def loss_chunk_rows(rows: int, hidden_size: int, local_vocab: int, device: torch.device | str | None = None) -> int:
     """How many tokens :func:`linear_cross_entropy` takes at a time: as many as make a float32 logits chunk the
     size of the hidden states (so the loss never holds more than they do), at least 2**24 elements (64 MiB: smaller
-    chunks would leave the matrix products too thin to run at full speed) and at least 16 rows (or all of them)."""
+    chunks would leave the matrix products too thin to run at full speed) and at least 16 rows (or all of them);
+    on a CUDA ``device`` at least :data:`CUDA_MIN_CHUNK_ROWS`."""
     budget = max(rows * hidden_size, 1 << 24)
-    return max(1, min(rows, max(16, budget // max(local_vocab, 1))))
+    floor = CUDA_MIN_CHUNK_ROWS if device is not None and torch.device(device).type == "cuda" else 16
+    return max(1, min(rows, max(floor, budget // max(local_vocab, 1))))
+
+
+# torch.addmm's out_dtype (a float32 sum of half-precision products, on CUDA): torch >= 2.8.
+_ADDMM_OUT_DTYPE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 def _dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -100,11 +114,27 @@ def _chunk_terms(logits, target, vocab_start, valid_columns, group, ignore_index
 
 
 def _accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b``: in place when the dtypes agree (no product-sized temporary), else cast."""
+    """``total += a @ b``: in place when the dtypes agree, or on CUDA when ``total`` is float32 and the factors
+    half precision (the matrix units' float32 sum, ``out_dtype``); else through a cast product (a temporary of
+    ``total``'s size, which on a GPU costs more than the product: the reason for the CUDA path)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
+    elif (_ADDMM_OUT_DTYPE and total.is_cuda and total.dtype == torch.float32
+          and a.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()):
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
     else:
         total.add_((a @ b).to(total.dtype))
+
+
+def _single_rank_chunk(logits, target, ignore_index):
+    """:func:`_chunk_terms` for a chunk of logits that holds the whole vocabulary (one rank, no padding), in fewer
+    passes over it: one fused log-softmax (reading half-precision logits, writing float32), its ``exp`` in place.
+    Returns the per-token losses and the float32 softmax (a new buffer: the caller's logits are left alone)."""
+    ignored = target == ignore_index
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    safe_target = target.masked_fill(ignored, 0)
+    losses = (-log_probs.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)).masked_fill(ignored, 0.0)
+    return losses, log_probs.exp_(), safe_target, ignored
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -130,20 +160,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # multiplies them by exactly 1), scaled before the products as the unfused cross entropy scales them.
         scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(torch.float64 if accumulate == torch.float64
                                                                      else torch.float32)
+        single = group_size(group) == 1 and valid_columns == weight.size(1 if transposed else 0)
+        fuse_cast = compute != accumulate and not torch.compiler.is_compiling()
         for start in range(0, x.size(0), chunk_rows):
             x_chunk, target_chunk = x[start:start + chunk_rows], target[start:start + chunk_rows]
             logits = _dot(x_chunk, weight, bias, transposed)
-            logits = logits.float() if logits.dtype != torch.float64 else logits
-            losses, local_target, outside = _chunk_terms(logits, target_chunk, vocab_start, valid_columns, group,
-                                                         ignore_index)
+            if single and logits.dtype != torch.float64:
+                losses, grad, local_target, outside = _single_rank_chunk(logits, target_chunk, ignore_index)
+            else:
+                logits = logits.float() if logits.dtype != torch.float64 else logits
+                losses, local_target, outside = _chunk_terms(logits, target_chunk, vocab_start, valid_columns,
+                                                             group, ignore_index)
+                grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
             total += losses.sum()
-            grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
             rows = torch.arange(grad.size(0), device=grad.device)
             grad[rows, local_target] -= (~outside).to(grad.dtype)
             if may_ignore:
                 grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0)
-            grad.mul_(scale.to(grad.dtype))
-            grad, x_chunk = grad.to(compute), x_chunk.to(compute)
+            if fuse_cast:  # scaled and cast to the products' dtype in one pass
+                grad = torch.mul(grad, scale.to(grad.dtype), out=torch.empty(grad.shape, dtype=compute,
+                                                                              device=grad.device))
+            else:
+                grad = grad.mul_(scale.to(grad.dtype)).to(compute)
+            x_chunk = x_chunk.to(compute)
             if transposed:  # W (in, out): logits = x @ W
                 torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
                 _accumulate_product(grad_weight, x_chunk.t(), grad)
@@ -180,6 +219,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
+def _drops_ignored_rows(x: torch.Tensor) -> bool:
+    """Whether :func:`linear_cross_entropy` leaves the tokens whose target is ignored out before the products (on
+    the CPU: less work where a batch is padded) rather than masking their gradients (a traced call, which cannot
+    take a data-dependent shape; and a CUDA tensor, where finding them would wait for the GPU to finish the
+    forward pass, and leave it idle while the chunks are launched)."""
+    return not (torch.compiler.is_compiling() or x.is_cuda)
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -200,9 +247,10 @@ def linear_cross_entropy(
 
     With gradients enabled each chunk's gradients are computed as soon as its loss is (no second pass over the
     vocabulary), so the call holds one float32 chunk of logits, the input's and the weight's gradients. Tokens
-    whose target is ``ignore_index`` are left out before any product. Per chunk the tensor-parallel group runs
-    Megatron's two all-reduces (the row maximum; the target logit and the exp-sum); the backward pass one
-    (the input's gradient).
+    whose target is ``ignore_index`` are left out before any product on the CPU (elsewhere their gradients are
+    masked: no wait for the device). Per chunk the tensor-parallel group runs Megatron's two all-reduces (the row
+    maximum; the target logit and the exp-sum); with one rank a fused log-softmax; the backward pass one
+    all-reduce (the input's gradient).
 
     Args:
         x: ``(..., H)`` the projection's input, the same on every rank of ``group``.
@@ -219,11 +267,11 @@ def linear_cross_entropy(
     x = x.reshape(-1, x.size(-1))
     target = target.reshape(-1).to(x.device)
     keep = target != ignore_index
-    may_ignore = torch.compiler.is_compiling()  # (a traced call cannot drop rows: it masks them)
+    may_ignore = not _drops_ignored_rows(x)
     if not may_ignore and not bool(keep.all()):
         x, target = x[keep], target[keep]
     local_vocab = weight.size(1 if transposed else 0)
-    rows = chunk_rows if chunk_rows is not None else loss_chunk_rows(x.size(0), x.size(-1), local_vocab)
+    rows = chunk_rows if chunk_rows is not None else loss_chunk_rows(x.size(0), x.size(-1), local_vocab, x.device)
     if rows < 1:
         raise ValueError(f"chunk_rows must be a positive number of tokens, got {rows}.")
     needs_grad = torch.is_grad_enabled() and any(

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from oslo.parallel.loss import linear_cross_entropy, loss_chunk_rows
+import oslo.parallel.loss as loss_module
+from oslo.parallel.loss import CUDA_MIN_CHUNK_ROWS, linear_cross_entropy, loss_chunk_rows
 from tests.distributed import run_distributed
 
 VOCAB, HIDDEN, TOKENS = 53, 12, 37
@@ -38,15 +39,17 @@ def _reference(x, weight, bias, target):
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("chunk_rows", [1, 5, None], ids=["rows1", "rows5", "auto"])
-def test_equals_cross_entropy_of_the_logits(dtype, transposed, with_bias, chunk_rows):
+@pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
+def test_equals_cross_entropy_of_the_logits(dtype, transposed, with_bias, chunk_rows, padding):
     x, weight, bias, target = _problem(dtype)
     expected, expected_grads = _reference(x, weight, bias if with_bias else None, target)
-    # one padding column, as a vocabulary padded for tensor parallelism has (zero weight, masked by the loss)
-    padded = torch.cat([weight, torch.zeros(1, HIDDEN, dtype=dtype)])
+    # a padding column, as a vocabulary padded for tensor parallelism has (zero weight, masked by the loss); without
+    # it the chunks take the one-rank path (a fused log-softmax)
+    padded = torch.cat([weight, torch.zeros(padding, HIDDEN, dtype=dtype)])
     stored = padded.t().contiguous() if transposed else padded
     inputs = [x.clone().requires_grad_(), stored.requires_grad_()]
     if with_bias:
-        inputs.append(torch.cat([bias, torch.zeros(1, dtype=dtype)]).requires_grad_())
+        inputs.append(torch.cat([bias, torch.zeros(padding, dtype=dtype)]).requires_grad_())
     loss = linear_cross_entropy(inputs[0], inputs[1], inputs[2] if with_bias else None, target, vocab_start=0,
                                 valid_columns=VOCAB, group=None, transposed=transposed, chunk_rows=chunk_rows)
     grads = torch.autograd.grad(loss, inputs)
@@ -58,6 +61,27 @@ def test_equals_cross_entropy_of_the_logits(dtype, transposed, with_bias, chunk_
     assert not grad_weight[VOCAB:].any(), "the padding column got a gradient"
     if with_bias:
         torch.testing.assert_close(grads[2][:VOCAB], expected_grads[2])
+
+
+@pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
+def test_bf16_autocast_against_float64(padding):
+    # Under autocast the products run in bfloat16 (the logits' gradient cast once per chunk, the weight's gradient
+    # summed in float32); the softmax and the loss in float32. Against float64 on the bfloat16-rounded operands:
+    # bfloat16 keeps 8 bits, so a few parts in a thousand.
+    x, weight, _, target = _problem()
+    x, weight = x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float()
+    expected, expected_grads = _reference(x.double(), weight.double(), None, target)
+    stored = torch.cat([weight, torch.zeros(padding, HIDDEN)]).requires_grad_()
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, stored, None, target, vocab_start=0, valid_columns=VOCAB, group=None,
+                                    chunk_rows=8)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32 and stored.grad.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad.double(), expected_grads[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(stored.grad[:VOCAB].double(), expected_grads[1], rtol=2e-2, atol=2e-2)
+    assert not stored.grad[VOCAB:].any()
 
 
 def test_graph_kept_for_a_second_backward_and_no_grad_value():
@@ -73,6 +97,26 @@ def test_graph_kept_for_a_second_backward_and_no_grad_value():
     with torch.no_grad():
         value = linear_cross_entropy(x, weight, bias, target, vocab_start=0, valid_columns=VOCAB, group=None)
     torch.testing.assert_close(value, expected)
+
+
+@pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
+def test_ignored_tokens_masked_instead_of_dropped(monkeypatch, padding):
+    # On CUDA the ignored tokens stay in the chunks (finding them would wait for the device); their gradient rows
+    # are masked. The same path on the CPU, forced:
+    monkeypatch.setattr(loss_module, "_drops_ignored_rows", lambda x: False)
+    x, weight, bias, target = _problem()
+    expected, expected_grads = _reference(x, weight, bias, target)
+    stored = torch.cat([weight, torch.zeros(padding, HIDDEN)]).requires_grad_()
+    bias = torch.cat([bias, torch.zeros(padding)]).requires_grad_()
+    x = x.clone().requires_grad_()
+    loss = linear_cross_entropy(x, stored, bias, target, vocab_start=0, valid_columns=VOCAB, group=None,
+                                chunk_rows=6)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(x.grad, expected_grads[0])
+    assert not x.grad[target == -100].any()
+    torch.testing.assert_close(stored.grad[:VOCAB], expected_grads[1])
+    torch.testing.assert_close(bias.grad[:VOCAB], expected_grads[2])
 
 
 def test_every_target_ignored():
@@ -92,6 +136,10 @@ def test_chunk_rows_from_the_shapes():
     assert 8 * 1024 * 2048 - 50257 < rows * 50257 <= 8 * 1024 * 2048
     assert loss_chunk_rows(2048, 128, 128256) * 128256 <= (1 << 24)
     assert loss_chunk_rows(10, 4, 7) == 10  # a small batch is one chunk
+    # on a GPU at least CUDA_MIN_CHUNK_ROWS tokens (thinner products are bound by re-reading the weight)
+    assert loss_chunk_rows(8 * 1024, 1024, 128256, "cuda") == CUDA_MIN_CHUNK_ROWS == 2048
+    assert loss_chunk_rows(8 * 1024, 1024, 128256, torch.device("cpu")) == (1 << 24) // 128256
+    assert loss_chunk_rows(300, 1024, 128256, "cuda:1") == 300  # all of them
 
 
 def _vocab_parallel(rank: int, world_size: int, transposed: bool) -> None:

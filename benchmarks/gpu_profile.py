@@ -1,0 +1,99 @@
+"""Where a training step of oslo spends its time on a GPU, beside transformers': a profile, not a benchmark.
+
+The workload of ``benchmarks/gpu_step.py`` (GPT2 at gpt2-medium's shape, random weights, bf16 autocast, ``--batch``
+8 x ``--seq`` 1024 tokens, ``--layers`` 24, dropout 0.1, AdamW), for transformers, oslo and oslo after ``fuse()``:
+each model warmed up, then ``--steps`` steps under ``torch.profiler`` (CPU and CUDA activities). Printed per model:
+the wall time of a step, the GPU's busy time in it (the kernels' time summed: the gap is time the GPU waited for the
+CPU), the host synchronizations the step made (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` /
+``cudaMemcpy`` calls), and the ``--top`` operators by their own GPU time. What it is for: finding what oslo's step
+does that transformers' does not (numbers to compare are in ``gpu_step.py``'s output, not here).
+
+Run: ``python benchmarks/gpu_profile.py`` (about 30 s on an H100); without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+
+import oslo
+
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def _step(model, optimizer, ids) -> None:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _report(name: str, model, ids, steps: int, top: int) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    for _ in range(3):
+        _step(model, optimizer, ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            _step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    cuda = torch.autograd.DeviceType.CUDA
+    busy = sum(e.self_device_time_total for e in events if e.device_type == cuda) / steps / 1e6  # µs -> s
+    syncs = {e.key: e.count // steps for e in events if e.key in _SYNCS}
+    print(f"\n== {name}: step {1e3 * wall:.1f} ms, GPU busy {1e3 * busy:.1f} ms ({100 * busy / wall:.0f} %); "
+          f"per step: {syncs or 'no host synchronization'}")
+    rows = sorted((e for e in events if e.device_type != cuda and e.self_device_time_total > 0),
+                  key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    for e in rows:
+        print(f"   {e.self_device_time_total / steps / 1e3:8.2f} ms  {e.count // steps:5d} calls  {e.key[:90]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_profile: no CUDA device on this machine; nothing profiled.")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = True
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=args.layers, n_head=16,
+                                     bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.cuda()
+    print(f"== gpu_profile on {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.layers} layers, "
+          f"{args.batch} x {args.seq} tokens, bf16 autocast")
+    with tempfile.TemporaryDirectory() as checkpoint:
+        reference.save_pretrained(checkpoint)
+        models = {"transformers": lambda: reference.cuda().train(),
+                  "oslo": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint).cuda().train(),
+                  "oslo fuse()": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint).cuda()
+                  .train().fuse()}
+        for name, build in models.items():
+            try:
+                model = build()
+                _report(name, model, ids, args.steps, args.top)
+            except Exception as error:  # noqa: BLE001 - say so, profile the others
+                print(f"\n== {name}: {type(error).__name__}: {error}")
+            model = None
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
