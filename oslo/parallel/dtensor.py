@@ -581,7 +581,7 @@ def _fsdp_sees_blocks(init):
     @functools.wraps(init)
     def init_with_blocks(self, param, module_info, *args, **kwargs):
         spec = getattr(param, "_oslo_spec", None)
-        if isinstance(param, DTensor) and spec is not None and spec.chunks > 1 and spec.dim == 0:
+        if isinstance(param, DTensor) and _strided(spec) and spec.dim == 0:
             blocks = nn.Parameter(_as_blocks(param, spec, param.dim()), requires_grad=param.requires_grad)
             blocks._oslo_blocks = True
             for module, name in zip([module_info.module, *module_info.shared_modules],
@@ -625,9 +625,14 @@ def _whole_to_slice(module: nn.Module, state_dict, prefix, *args) -> None:
     for name, param in module._parameters.items():
         value = state_dict.get(prefix + name)
         if not isinstance(param, DTensor) or not hasattr(param, "_oslo_spec") or isinstance(value, DTensor) \
-                or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+                or not isinstance(value, torch.Tensor):
             continue
         spec = param._oslo_spec
+        shape = tuple(param.shape)
+        if spec is not None and spec.chunks > 1 and not _strided(spec):  # blocks: transformers' shape flattened
+            shape = shape[:spec.dim] + (shape[spec.dim] * shape[spec.dim + 1],) + shape[spec.dim + 2:]
+        if tuple(value.shape) != shape:
+            continue
         value = value.to(device=param.device, dtype=param.dtype)
         part = value if spec is None else spec.slice_of(value)
         state_dict[prefix + name] = _wrap(_local_of(part, spec), param)
