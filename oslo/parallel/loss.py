@@ -126,6 +126,14 @@ def _accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
         total.add_((a @ b).to(total.dtype))
 
 
+def _fused_log_softmax(x: torch.Tensor) -> bool:
+    """Whether one rank's chunks go through :func:`_single_rank_chunk` (on a GPU: fewer passes over the chunk, the
+    caching allocator hands its new buffer back at once) rather than :func:`_chunk_terms` in place (on the CPU a
+    new chunk-sized buffer per chunk costs more in fresh pages than the passes it saves: 1.17x the whole logits'
+    step against 0.88x, GPT2 width 128, 8 x 1024 tokens, vocabulary 50,257)."""
+    return x.is_cuda
+
+
 def _single_rank_chunk(logits, target, ignore_index):
     """:func:`_chunk_terms` for a chunk of logits that holds the whole vocabulary (one rank, no padding), in fewer
     passes over it: one fused log-softmax (reading half-precision logits, writing float32), its ``exp`` in place.
@@ -160,7 +168,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # multiplies them by exactly 1), scaled before the products as the unfused cross entropy scales them.
         scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(torch.float64 if accumulate == torch.float64
                                                                      else torch.float32)
-        single = group_size(group) == 1 and valid_columns == weight.size(1 if transposed else 0)
+        single = group_size(group) == 1 and valid_columns == weight.size(1 if transposed else 0) \
+            and _fused_log_softmax(x)
         fuse_cast = compute != accumulate and not torch.compiler.is_compiling()
         for start in range(0, x.size(0), chunk_rows):
             x_chunk, target_chunk = x[start:start + chunk_rows], target[start:start + chunk_rows]

@@ -39,12 +39,14 @@ def _reference(x, weight, bias, target):
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("chunk_rows", [1, 5, None], ids=["rows1", "rows5", "auto"])
-@pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
-def test_equals_cross_entropy_of_the_logits(dtype, transposed, with_bias, chunk_rows, padding):
+@pytest.mark.parametrize("padding", [1, 0, "fused"], ids=["padded", "whole", "fused-log-softmax"])
+def test_equals_cross_entropy_of_the_logits(monkeypatch, dtype, transposed, with_bias, chunk_rows, padding):
+    if padding == "fused":  # one rank's path on a GPU, forced on the CPU
+        monkeypatch.setattr(loss_module, "_fused_log_softmax", lambda x: True)
+        padding = 0
     x, weight, bias, target = _problem(dtype)
     expected, expected_grads = _reference(x, weight, bias if with_bias else None, target)
-    # a padding column, as a vocabulary padded for tensor parallelism has (zero weight, masked by the loss); without
-    # it the chunks take the one-rank path (a fused log-softmax)
+    # a padding column, as a vocabulary padded for tensor parallelism has (zero weight, masked by the loss)
     padded = torch.cat([weight, torch.zeros(padding, HIDDEN, dtype=dtype)])
     stored = padded.t().contiguous() if transposed else padded
     inputs = [x.clone().requires_grad_(), stored.requires_grad_()]
@@ -63,11 +65,14 @@ def test_equals_cross_entropy_of_the_logits(dtype, transposed, with_bias, chunk_
         torch.testing.assert_close(grads[2][:VOCAB], expected_grads[2])
 
 
-@pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
-def test_bf16_autocast_against_float64(padding):
+@pytest.mark.parametrize("padding", [1, 0, "fused"], ids=["padded", "whole", "fused-log-softmax"])
+def test_bf16_autocast_against_float64(monkeypatch, padding):
     # Under autocast the products run in bfloat16 (the logits' gradient cast once per chunk, the weight's gradient
     # summed in float32); the softmax and the loss in float32. Against float64 on the bfloat16-rounded operands:
     # bfloat16 keeps 8 bits, so a few parts in a thousand.
+    if padding == "fused":
+        monkeypatch.setattr(loss_module, "_fused_log_softmax", lambda x: True)
+        padding = 0
     x, weight, _, target = _problem()
     x, weight = x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float()
     expected, expected_grads = _reference(x.double(), weight.double(), None, target)
@@ -102,8 +107,9 @@ def test_graph_kept_for_a_second_backward_and_no_grad_value():
 @pytest.mark.parametrize("padding", [1, 0], ids=["padded", "whole"])
 def test_ignored_tokens_masked_instead_of_dropped(monkeypatch, padding):
     # On CUDA the ignored tokens stay in the chunks (finding them would wait for the device); their gradient rows
-    # are masked. The same path on the CPU, forced:
+    # are masked. The same path on the CPU, forced (with the GPU's fused log-softmax where one rank holds it all):
     monkeypatch.setattr(loss_module, "_drops_ignored_rows", lambda x: False)
+    monkeypatch.setattr(loss_module, "_fused_log_softmax", lambda x: True)
     x, weight, bias, target = _problem()
     expected, expected_grads = _reference(x, weight, bias, target)
     stored = torch.cat([weight, torch.zeros(padding, HIDDEN)]).requires_grad_()
