@@ -16,7 +16,7 @@ import oslo
 import oslo.parallel.dtensor as dtensor_module
 from oslo.parallel.dtensor import parameter_specs, unblock
 from tests.distributed import run_distributed
-from tests.helpers import full_params, save_reference, tiny_gpt2_config
+from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
 
 LR = 0.5
 MAX_NORM = 0.5  # well under the gradient norm (about 3): every layout must clip by the same factor
@@ -272,6 +272,41 @@ def _load_whole_state_dict(rank, world_size, path):
     assert not torch.allclose(before, expected)
     torch.testing.assert_close(after, expected)
     return True
+
+
+def _gradients(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size).train()
+    model(**global_batch()).loss.backward()
+    return full_grads(model), {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _without_strided_sharding(rank, world_size, path, worker):
+    """``worker`` with oslo's DTensors as it builds them where torch cannot redistribute PyTorch's strided sharding
+    (torch 2.11): its answer forced, whatever this torch would say."""
+    dtensor_module._probe_strided_sharding.done = True
+    dtensor_module._STRIDED_SHARDING = False
+    return globals()[worker](rank, world_size, path)
+
+
+def test_blocks_where_torch_cannot_plan_strided_sharding(checkpoint):
+    """The fallback layout, on any torch: GPT2's fused c_attn as DTensors of (in, 3, n) and (3, n) blocks; the
+    gradients (through unblock), a state dict round trip and transformers' whole tensors loading, as in the
+    strided layout."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).train()
+    reference(**global_batch()).loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for grads, shapes in run_distributed(_without_strided_sharding, 2, checkpoint, "_gradients"):
+        assert shapes["transformer.h.0.attn.c_attn.weight"] == (32, 3, 32), shapes
+        assert shapes["transformer.h.0.attn.c_attn.bias"] == (3, 32), shapes
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    state = reference.state_dict()
+    for _, full, _, before, after in run_distributed(_without_strided_sharding, 2, checkpoint,
+                                                     "_state_dict_round_trip"):
+        for name, value in full.items():
+            torch.testing.assert_close(value, state[name], msg=lambda m, n=name: f"{n}: {m}")
+        assert before > 1e-3 and after == 0.0, (before, after)
+    assert run_distributed(_without_strided_sharding, 2, checkpoint, "_load_whole_state_dict") == [True, True]
 
 
 def test_a_whole_state_dict_loads_into_a_split_model(checkpoint):
