@@ -4,9 +4,10 @@ The workload of ``benchmarks/gpu_step.py`` (GPT2 at gpt2-medium's shape, random 
 8 x ``--seq`` 1024 tokens, ``--layers`` 24, dropout 0.1, AdamW), for transformers, oslo and oslo after ``fuse()``:
 each model warmed up, then ``--steps`` steps under ``torch.profiler`` (CPU and CUDA activities). Printed per model:
 the wall time of a step, the GPU's busy time in it (the kernels' time summed: the gap is time the GPU waited for the
-CPU), the host synchronizations the step made (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` /
-``cudaMemcpy`` calls), and the ``--top`` operators by their own GPU time. What it is for: finding what oslo's step
-does that transformers' does not (numbers to compare are in ``gpu_step.py``'s output, not here).
+CPU), the calls that make the host wait for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+``cudaMemcpy``; ``cudaFree`` and ``cudaMalloc``: the caching allocator giving memory back), and the ``--top``
+operators by their own GPU time. What it is for: finding what oslo's step does that transformers' does not (numbers
+to compare are in ``gpu_step.py``'s output, not here).
 
 Run: ``python benchmarks/gpu_profile.py`` (about 30 s on an H100); without CUDA it says so and exits 0.
 """
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import oslo
 
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaFree", "cudaMalloc")
 
 
 def _step(model, optimizer, ids) -> None:

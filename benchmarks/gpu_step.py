@@ -20,7 +20,9 @@ until ``--rounds`` rounds or the ``--budget-s`` time budget (counted from the st
 start with less than a minute left is skipped). Per variant: the median step time, the median of the per-round
 ratios to transformers eager (and to transformers compiled), the peak memory of a step (the memory allocated
 above what was allocated before it, plus the variant's own parameters, gradients and optimizer state: what a
-process holding that one model would peak at, without the CUDA context), and the MFU, 6 * N * tokens / step time
+process holding that one model would peak at, without the CUDA context), the caching allocator's retries in a
+round where there were any (each frees the cache with a synchronizing ``cudaFree``: the three models share one
+process's memory), and the MFU, 6 * N * tokens / step time
 / peak bf16 FLOP/s (N: every parameter, embeddings included, the tied LM head once; attention's own FLOPs are
 not counted), with 989 TFLOP/s dense bf16 for the H100 SXM and the H200 (``--peak-tflops`` for other devices).
 
@@ -72,6 +74,7 @@ class Variant:
     error: str | None = None
     times: list[float] = field(default_factory=list)  # seconds per step, one per round
     peaks: list[int] = field(default_factory=list)  # bytes above the memory allocated before the round
+    retries: list[int] = field(default_factory=list)  # the caching allocator's retries (a freed cache) per round
     first_loss: float | None = None
 
     @property
@@ -281,6 +284,7 @@ def main() -> int:
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     step(variant)
@@ -288,12 +292,15 @@ def main() -> int:
                 times[variant.name] = (time.perf_counter() - start) / args.steps
                 if device.type == "cuda":
                     variant.peaks.append(torch.cuda.max_memory_allocated(device) - before)
+                    variant.retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries)
             except Exception as error:  # noqa: BLE001
                 _fail(variant, f"round {index + 1}", error)
         for variant in ready:
             variant.times.append(times.get(variant.name, 0.0))
         last_round = time.perf_counter() - round_start
-        print(f"-- round {index + 1}: " + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times.items()))
+        retried = {v.name: v.retries[-1] for v in ready if v.retries and v.retries[-1] and v.name in times}
+        print(f"-- round {index + 1}: " + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times.items())
+              + (f" (allocator retries, each a synchronizing cudaFree of the cache: {retried})" if retried else ""))
 
     results = _report(args, variants, families, generation, n_params, device, device_name, dtype)
     results["total_s"] = time.perf_counter() - started
@@ -366,7 +373,8 @@ def _report(args, variants, families, generation, n_params, device, device_name,
             "ratio_to_transformers_eager": _median_ratio(variant, eager) if measured else None,
             "ratio_to_transformers_compiled": _median_ratio(variant, compiled) if measured else None,
             "peak_gib": peak, "mfu": mfu, "warmup_s": variant.warmup_s, "first_loss": variant.first_loss,
-            "step_ms_per_round": [t * 1e3 for t in variant.times], "error": variant.error,
+            "step_ms_per_round": [t * 1e3 for t in variant.times], "allocator_retries_per_round": variant.retries,
+            "error": variant.error,
         }
         rows[variant.name] = row
         if variant.error and not measured:
