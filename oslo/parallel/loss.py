@@ -258,8 +258,8 @@ def linear_cross_entropy(
     vocabulary), so the call holds one float32 chunk of logits, the input's and the weight's gradients. Tokens
     whose target is ``ignore_index`` are left out before any product on the CPU (elsewhere their gradients are
     masked: no wait for the device). Per chunk the tensor-parallel group runs Megatron's two all-reduces (the row
-    maximum; the target logit and the exp-sum); with one rank a fused log-softmax; the backward pass one
-    all-reduce (the input's gradient).
+    maximum; the target logit and the exp-sum), with one rank on a GPU a fused log-softmax instead; the backward
+    pass one all-reduce (the input's gradient).
 
     Args:
         x: ``(..., H)`` the projection's input, the same on every rank of ``group``.

@@ -130,3 +130,25 @@ def test_compiled_loss_does_not_build_the_logits():
     for whole in (0, None):  # the whole logits: the same check sees them
         model.loss_chunk_size = whole
         assert max(_vocab_rows_per_graph(model, batch, config.vocab_size)) == tokens, whole
+
+
+def test_compiled_chunks_through_the_fused_log_softmax(monkeypatch):
+    """One rank's chunks on a GPU take a fused log-softmax (``loss._fused_log_softmax``): forced here on the CPU, a
+    compiled call (``fullgraph=True``) with ``loss_chunk_size`` set gives the eager call's loss and gradients."""
+    monkeypatch.setattr(oslo.parallel.loss, "_fused_log_softmax", lambda x: True)
+    config = transformers.GPT2Config(vocab_size=1001, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    ids = torch.randint(3, 1001, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(ids % 5 == 0, -100)
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config, seed=0).train()
+    model.loss_chunk_size = CHUNK
+    eager = model(input_ids=ids, labels=labels).loss
+    eager.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, labels=labels).loss
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=lambda m, n=name: f"{n}: {m}")
