@@ -148,15 +148,14 @@ def _local_of(storage: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     if spec.kind == VOCAB:
         start, stop = spec.vocab_range()
         return storage.narrow(spec.dim, 0, stop - start)
-    if spec.chunks > 1 and not _strided(spec):
+    if _blocked(spec):
         return storage.unflatten(spec.dim, (spec.chunks, storage.size(spec.dim) // spec.chunks))
     return storage
 
 
 def unblock(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """A whole tensor (``full_tensor()``) in transformers' shape: a fused parameter seen as blocks, flattened."""
-    if spec is not None and spec.chunks > 1 and full.dim() > spec.dim + 1 and full.size(spec.dim) == spec.chunks \
-            and not _strided(spec):
+    if _blocked(spec) and full.dim() > spec.dim + 1 and full.size(spec.dim) == spec.chunks:
         return full.flatten(spec.dim, spec.dim + 1)
     return full
 
@@ -166,6 +165,11 @@ def _strided(spec: ShardSpec | None) -> bool:
     transformers' shape with PyTorch's strided sharding. (FSDP2 sees one split on its first dimension as blocks, see
     :func:`_fsdp_sees_blocks`.)"""
     return spec is not None and spec.chunks > 1 and _STRIDED_SHARDING
+
+
+def _blocked(spec: ShardSpec | None) -> bool:
+    """Whether a fused parameter is a DTensor of blocks (``(in, 3, n)``), where torch cannot plan strided sharding."""
+    return spec is not None and spec.chunks > 1 and not _STRIDED_SHARDING
 
 
 def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple[object, tuple[int, ...]]:
@@ -628,10 +632,7 @@ def _whole_to_slice(module: nn.Module, state_dict, prefix, *args) -> None:
                 or not isinstance(value, torch.Tensor):
             continue
         spec = param._oslo_spec
-        shape = tuple(param.shape)
-        if spec is not None and spec.chunks > 1 and not _strided(spec):  # blocks: transformers' shape flattened
-            shape = shape[:spec.dim] + (shape[spec.dim] * shape[spec.dim + 1],) + shape[spec.dim + 2:]
-        if tuple(value.shape) != shape:
+        if (_blocks_shape(value.shape, spec) if _blocked(spec) else tuple(value.shape)) != tuple(param.shape):
             continue
         value = value.to(device=param.device, dtype=param.dtype)
         part = value if spec is None else spec.slice_of(value)
