@@ -36,18 +36,19 @@ def _step(model, optimizer, ids) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _report(name: str, model, ids, steps: int, top: int) -> None:
+def _report(name: str, model, ids, steps: int, top: int) -> dict[tuple[str, str], tuple[float, int]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for _ in range(3):
         _step(model, optimizer, ids)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             _step(model, optimizer, ids)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
     events = prof.key_averages()
+    by_shape = prof.key_averages(group_by_input_shape=True)
     cuda = torch.autograd.DeviceType.CUDA
     busy = sum(e.self_device_time_total for e in events if e.device_type == cuda) / steps / 1e6  # µs -> s
     syncs = {e.key: e.count // steps for e in events if e.key in _SYNCS}
@@ -57,6 +58,23 @@ def _report(name: str, model, ids, steps: int, top: int) -> None:
                   key=lambda e: e.self_device_time_total, reverse=True)[:top]
     for e in rows:
         print(f"   {e.self_device_time_total / steps / 1e3:8.2f} ms  {e.count // steps:5d} calls  {e.key[:90]}")
+    return {(e.key, str(e.input_shapes)[:120]): (e.self_device_time_total / steps / 1e3, e.count // steps)
+            for e in by_shape if e.device_type != cuda and e.self_device_time_total > 0}
+
+
+def _differences(name: str, ours: dict, theirs: dict, top: int) -> None:
+    """The operators (with their input shapes) whose GPU time per step differs most between two models."""
+    rows = []
+    for key in set(ours) | set(theirs):
+        mine, other = ours.get(key, (0.0, 0)), theirs.get(key, (0.0, 0))
+        rows.append((mine[0] - other[0], key, mine, other))
+    rows.sort(key=lambda row: abs(row[0]), reverse=True)
+    total = sum(row[0] for row in rows)
+    print(f"\n== {name} minus transformers: {total:+.2f} ms of GPU time per step; the largest differences "
+          "(ms, calls: theirs -> ours; operator, input shapes):")
+    for diff, (key, shapes), mine, other in rows[:top]:
+        print(f"   {diff:+7.2f} ms  {other[0]:7.2f} ({other[1]:3d}) -> {mine[0]:7.2f} ({mine[1]:3d})  "
+              f"{key[:40]} {shapes}")
 
 
 def main() -> int:
@@ -85,14 +103,18 @@ def main() -> int:
                   "oslo": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint).cuda().train(),
                   "oslo fuse()": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint).cuda()
                   .train().fuse()}
+        profiles = {}
         for name, build in models.items():
             try:
                 model = build()
-                _report(name, model, ids, args.steps, args.top)
+                profiles[name] = _report(name, model, ids, args.steps, args.top)
             except Exception as error:  # noqa: BLE001 - say so, profile the others
                 print(f"\n== {name}: {type(error).__name__}: {error}")
             model = None
             torch.cuda.empty_cache()
+    for name, profile_ in profiles.items():
+        if name != "transformers" and "transformers" in profiles:
+            _differences(name, profile_, profiles["transformers"], 2 * args.top)
     return 0
 
 

@@ -37,9 +37,12 @@ compiled; ``fuse()`` + compiled <= 0.95x transformers compiled; generation after
 transformers' tokens/s. Every variant runs in its own try/except: an error is printed and the run goes on.
 
 Run on a GPU: ``python benchmarks/gpu_step.py [--budget-s 420] [--json out.json]``; without CUDA it says so and
-exits 0. On CPU: ``--cpu`` runs the training variants alone (compiled against eager) at a tiny shape (2 layers,
-2 x 64 tokens, float32, 2 rounds); ``--device cpu --layers 2 --seq 64 --batch 2 --rounds 2`` runs everything,
-generation included.
+exits 0. ``--families transformers,oslo`` builds only those families (transformers always; the experimental "oslo
+fuse() + blocks compiled" only without ``--families``); ``--per-step`` also times each step on its own (a
+synchronization after each) and prints them with the round's ``cudaMalloc`` calls: a step that is slow once (the
+allocator, the host) shows apart from a steady difference. On CPU: ``--cpu`` runs the training variants alone
+(compiled against eager) at a tiny shape (2 layers, 2 x 64 tokens, float32, 2 rounds); ``--device cpu --layers 2
+--seq 64 --batch 2 --rounds 2`` runs everything, generation included.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class Variant:
     warmup_s: float | None = None
     error: str | None = None
     times: list[float] = field(default_factory=list)  # seconds per step, one per round
+    steps: list[list[float]] = field(default_factory=list)  # each step's seconds, per round
+    mallocs: list[int] = field(default_factory=list)  # cudaMalloc calls of the caching allocator, per round
     peaks: list[int] = field(default_factory=list)  # bytes above the memory allocated before the round
     retries: list[int] = field(default_factory=list)  # the caching allocator's retries (a freed cache) per round
     first_loss: float | None = None
@@ -127,6 +132,14 @@ def _median_ratio(numerator: Variant, denominator: Variant) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
+def _detail(variant: Variant, per_step: bool) -> str:
+    """``--per-step``'s addition to a round's line: each step's milliseconds and the round's cudaMalloc calls."""
+    if not per_step:
+        return ""
+    mallocs = f"; {variant.mallocs[-1]} cudaMalloc" if variant.mallocs else ""
+    return f" [{' '.join(f'{1e3 * s:.1f}' for s in variant.steps[-1])}{mallocs}]"
+
+
 def _fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
     """``value`` formatted by ``spec``, or ``missing`` padded to the same width."""
     if value is None:
@@ -145,6 +158,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    parser.add_argument("--per-step", action="store_true",
+                        help="also time each step on its own (a synchronization after each) and print it")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="autocast dtype (default: bf16 on CUDA; fp32, no autocast, on the CPU)")
@@ -156,6 +171,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=0.0, help="stop adding work after this many seconds")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s for the MFU")
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--families", default=None,
+                        help="comma-separated families to build (default all): transformers,oslo,oslo fuse()")
     args = parser.parse_args()
     if args.cpu:
         args.device = "cpu"
@@ -200,7 +217,14 @@ def main() -> int:
             "oslo": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint),
             "oslo fuse()": lambda: oslo.GPT2LMHeadModel.from_pretrained_with_parallel(checkpoint).fuse(),
         }
-        if device.type == "cuda" and not args.skip_compile:
+        if args.families:
+            wanted = {name.strip() for name in args.families.split(",")}
+            unknown = wanted - set(builders)
+            if unknown or "transformers" not in wanted:
+                parser.error(f"--families: {sorted(unknown)} unknown (known: {sorted(builders)}), or transformers "
+                             "missing (every ratio is to it)")
+            builders = {name: build for name, build in builders.items() if name in wanted}
+        if device.type == "cuda" and not args.skip_compile and not args.families:
             # Not (yet) what fuse() does: each block compiled on its own (torchtitan's regional compile;
             # the blocks share one compiled graph), the embeddings, head and loss eager.
             builders["oslo fuse() + blocks compiled"] = lambda: _compile_blocks(
@@ -268,6 +292,7 @@ def main() -> int:
             warm(variant)
 
     ready = [v for v in variants if v.ready]
+    by_name = {v.name: v for v in variants}
     last_round = 0.0
     for index in range(args.rounds):
         if index and left() < last_round:
@@ -284,22 +309,31 @@ def main() -> int:
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+                    stats = torch.cuda.memory_stats(device)
+                    retries, mallocs = stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
                 start = time.perf_counter()
+                each = []
                 for _ in range(args.steps):
                     step(variant)
+                    if args.per_step:
+                        _sync(device)
+                        each.append(time.perf_counter() - start - sum(each))
                 _sync(device)
                 times[variant.name] = (time.perf_counter() - start) / args.steps
+                variant.steps.append(each)
                 if device.type == "cuda":
                     variant.peaks.append(torch.cuda.max_memory_allocated(device) - before)
-                    variant.retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries)
+                    stats = torch.cuda.memory_stats(device)
+                    variant.retries.append(stats.get("num_alloc_retries", 0) - retries)
+                    variant.mallocs.append(stats.get("num_device_alloc", 0) - mallocs)
             except Exception as error:  # noqa: BLE001
                 _fail(variant, f"round {index + 1}", error)
         for variant in ready:
             variant.times.append(times.get(variant.name, 0.0))
         last_round = time.perf_counter() - round_start
         retried = {v.name: v.retries[-1] for v in ready if v.retries and v.retries[-1] and v.name in times}
-        print(f"-- round {index + 1}: " + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times.items())
+        print(f"-- round {index + 1}: " + ", ".join(f"{name} {t * 1e3:.1f} ms{_detail(by_name[name], args.per_step)}"
+                                                    for name, t in times.items())
               + (f" (allocator retries, each a synchronizing cudaFree of the cache: {retried})" if retried else ""))
 
     results = _report(args, variants, families, generation, n_params, device, device_name, dtype)
@@ -374,6 +408,8 @@ def _report(args, variants, families, generation, n_params, device, device_name,
             "ratio_to_transformers_compiled": _median_ratio(variant, compiled) if measured else None,
             "peak_gib": peak, "mfu": mfu, "warmup_s": variant.warmup_s, "first_loss": variant.first_loss,
             "step_ms_per_round": [t * 1e3 for t in variant.times], "allocator_retries_per_round": variant.retries,
+            "cuda_mallocs_per_round": variant.mallocs,
+            "step_ms_each": [[s * 1e3 for s in steps] for steps in variant.steps if steps],
             "error": variant.error,
         }
         rows[variant.name] = row
@@ -394,7 +430,7 @@ def _report(args, variants, families, generation, n_params, device, device_name,
         return rows[name][key] if name in rows else None
 
     def memory_ratio() -> float | None:
-        fused, base = rows["oslo fuse()"]["peak_gib"], rows["transformers"]["peak_gib"]
+        fused, base = rows.get("oslo fuse()", {}).get("peak_gib"), rows["transformers"]["peak_gib"]
         return fused / base if fused and base else None
 
     gen_ratio = None

@@ -743,7 +743,7 @@ def sequence_classification_items(kind: str, labels: torch.Tensor) -> torch.Tens
     ignored), every element of the labels for regression and multi-label classification."""
     if kind == "single_label_classification":
         return class_items(labels.view(-1))
-    return torch.tensor(labels.numel(), device=labels.device)
+    return torch.full((), labels.numel(), device=labels.device)  # made on the device: no copy from the host
 
 
 def check_eos_tokens(model_name: str, input_ids: torch.Tensor | None, eos_token_id: int | None) -> None:

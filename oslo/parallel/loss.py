@@ -139,6 +139,8 @@ def _single_rank_chunk(logits, target, ignore_index):
     passes over it: one fused log-softmax (reading half-precision logits, writing float32), its ``exp`` in place.
     Returns the per-token losses and the float32 softmax (a new buffer: the caller's logits are left alone)."""
     ignored = target == ignore_index
+    # (With bfloat16 logits torch casts them to float32 first, a pass of its own: 1.28 ms of an H100's 150 ms step
+    # at 8 x 1024 tokens and 50,257 columns. Its kernel reads float16 itself, not bfloat16.)
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     safe_target = target.masked_fill(ignored, 0)
     losses = (-log_probs.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)).masked_fill(ignored, 0.0)
@@ -184,13 +186,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += losses.sum()
             rows = torch.arange(grad.size(0), device=grad.device)
             grad[rows, local_target] -= (~outside).to(grad.dtype)
+            # The factor of each row: the mean's scale, 0 where the target is ignored (when such rows may be
+            # here), so that zeroing their gradients costs no pass of its own over the chunk.
+            factor = scale.to(grad.dtype)
             if may_ignore:
-                grad.masked_fill_((target_chunk == ignore_index).unsqueeze(-1), 0.0)
+                factor = factor.expand(grad.size(0)).masked_fill(target_chunk == ignore_index, 0.0).unsqueeze(-1)
             if fuse_cast:  # scaled and cast to the products' dtype in one pass
-                grad = torch.mul(grad, scale.to(grad.dtype), out=torch.empty(grad.shape, dtype=compute,
-                                                                              device=grad.device))
+                grad = torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=compute, device=grad.device))
             else:
-                grad = grad.mul_(scale.to(grad.dtype)).to(compute)
+                grad = grad.mul_(factor).to(compute)
             x_chunk = x_chunk.to(compute)
             if transposed:  # W (in, out): logits = x @ W
                 torch.mm(grad, weight_compute.t(), out=grad_x_compute[start:start + chunk_rows])
@@ -479,15 +483,18 @@ def average_loss(
         items = items.reshape(-1)
     if torch.is_tensor(divisor):
         divisor = divisor.reshape(-1)
-    weights = torch.tensor(loss.weights, dtype=sums.dtype, device=sums.device)
+    # The terms' weights as Python numbers times the sums: a tensor made of them on a GPU would be a copy from the
+    # host, which waits for the device (and leaves it idle while the rest of the step is launched).
+    weighted = sums if all(weight == 1 for weight in loss.weights) else torch.stack(
+        [term * weight for term, weight in zip(sums.unbind(0), loss.weights, strict=True)])
     if torch.is_tensor(items):
         items = items.to(sums.device)
     if torch.is_tensor(divisor):
         divisor = divisor.to(sums.device)
     if divisor is None and on_backward is None:
-        return (weights * sums / items).sum()
-    value = (weights * sums.detach() / items).sum()
-    differentiable = (weights * sums / (items if divisor is None else divisor)).sum()
+        return (weighted / items).sum()
+    value = (weighted.detach() / items).sum()
+    differentiable = (weighted / (items if divisor is None else divisor)).sum()
     if isinstance(on_backward, traced.Hook):
         return _TracedMeanLoss.apply(differentiable, value, *on_backward)
     return _MeanLoss.apply(differentiable, value, on_backward)
