@@ -22,14 +22,23 @@ The pipeline runner (:func:`~oslo.models.runner.forward_with_head`), not the mod
 knows stages: it calls ``prepare`` on every stage, ``embed`` on the first, passes the payload between
 stages, and calls ``finish`` and the head on the last. Nothing in a model file mentions stages except
 which modules a stage builds (``if first`` / ``if last``) and its ``StageLayers``.
+
+The decoder-only bodies (GPT2, GPT-Neo, the Llama family) share their steps: :class:`DecoderBody` writes
+``prepare``, ``run_layers`` and ``finish`` once, and a model file declares where its layers and final norm live,
+writes ``embed`` and says what its layers take (:meth:`DecoderBody.layer_inputs`). BERT and T5 write their own.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
-__all__ = ["BodyState", "StagedBody", "stand_in_embeds"]
+from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
+
+__all__ = ["BodyState", "DecoderBody", "StagedBody", "stand_in_embeds"]
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' config.layer_types
 
 
 class BodyState:
@@ -102,3 +111,108 @@ def stand_in_embeds(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor 
     if inputs_embeds is not None:
         return inputs_embeds
     return torch.empty((*input_ids.shape[:2], 0), dtype=dtype, device=device)
+
+
+class DecoderBody(StagedBody):
+    """The body of a decoder-only model (GPT2, GPT-Neo, the Llama family): embeddings, a stack of layers, a final
+    norm. The steps are written once here; a model declares where its parts live and what differs:
+
+    Attributes:
+        layers_attribute: The attribute holding the layers (a :class:`~oslo.parallel.pipeline.StageLayers`).
+        norm_attribute: The attribute holding the final norm (built on the last pipeline stage).
+        embeds_token_types: ``token_type_ids`` go through the token embedding (GPT2, GPT-Neo); without it a call
+            that passes them raises.
+        flattens_leading_dims: Inputs with more than one leading dimension are flattened to ``(-1, length)`` and
+            the hidden states reshaped back (transformers' GPT2), the attention mask viewed as ``(batch, -1)``.
+        cache_only_with_use_cache: The output holds the cache only when the call used it (GPT2, Llama); else
+            whatever cache the call had (GPT-Neo, as transformers').
+
+    A model writes ``embed`` (its embeddings) and :meth:`layer_inputs` (what every layer takes besides the hidden
+    states, the mask, the cache and ``output_attentions``), and, with layers of both kinds of attention, a
+    ``layer_types`` list (``"full_attention"`` / ``"sliding_attention"``, one per layer of the model).
+    """
+
+    layers_attribute: str = "layers"
+    norm_attribute: str = "norm"
+    embeds_token_types: bool = False
+    flattens_leading_dims: bool = False
+    cache_only_with_use_cache: bool = True
+    layer_types: list[str] | None = None
+
+    def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
+        """The keyword arguments every layer of this stage takes besides the hidden states, ``attention_mask``,
+        ``cache`` and ``output_attentions`` (position ids, rotary embeddings, the call's extra arguments)."""
+        return {}
+
+    def prepare(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, **kwargs) -> BodyState:
+        config = self.config
+        if token_type_ids is not None and not self.embeds_token_types:
+            raise ValueError(f"{type(self).__name__} has no token type embeddings: do not pass token_type_ids.")
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # the recomputation would add the keys and values a second time
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if self.flattens_leading_dims:
+            if input_ids is not None:
+                input_ids = input_ids.view(-1, input_shape[-1])
+            else:
+                inputs_embeds = inputs_embeds.view(-1, input_shape[-1], inputs_embeds.shape[-1])
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)  # each rank caches its own heads, each stage its own layers
+        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.view(-1, embeds.shape[1])
+        if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]
+        if self.flattens_leading_dims and attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(embeds.shape[0], -1)
+        # One mask per kind of attention among the layers (a sliding-window layer's keys back to its window).
+        mask_inputs = dict(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache,
+                           position_ids=position_ids)
+        masks = {kind: (create_sliding_window_causal_mask if kind == SLIDING_ATTENTION else create_causal_mask)(
+            **mask_inputs) for kind in set(self.layer_types or (FULL_ATTENTION,))}
+        return BodyState(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
+            input_shape=input_shape, position_ids=position_ids, masks=masks, cache=cache, use_cache=use_cache,
+            output_attentions=output_attentions, kwargs=kwargs,
+            return_dict=return_dict if return_dict is not None else config.return_dict,
+            hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
+        )
+
+    def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
+        hidden_states = payload["hidden_states"]
+        inputs = self.layer_inputs(hidden_states, state)
+        for layer in getattr(self, self.layers_attribute):
+            if state.hidden_states is not None:
+                state.hidden_states += (hidden_states,)
+            kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
+            hidden_states, attn_weights = layer(
+                hidden_states, attention_mask=state.masks[kind], cache=state.cache,
+                output_attentions=state.output_attentions, **inputs,
+            )
+            if state.attentions is not None:
+                state.attentions += (attn_weights,)
+        return {"hidden_states": hidden_states}
+
+    def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> ModelOutput:
+        hidden_states = getattr(self, self.norm_attribute)(payload["hidden_states"])
+        if self.flattens_leading_dims:
+            hidden_states = hidden_states.view(-1, *state.input_shape[1:], hidden_states.size(-1))
+        if state.hidden_states is not None:
+            state.hidden_states += (hidden_states,)
+        cache = state.cache if state.use_cache or not self.cache_only_with_use_cache else None
+        return self.output_class(
+            last_hidden_state=hidden_states,
+            **{CACHE_FIELD: cache},
+            hidden_states=state.hidden_states,
+            attentions=state.attentions,
+        )

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -38,8 +38,8 @@ from oslo.kernels import (
     scaled_masked_softmax,
 )
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, StagedBody, stand_in_embeds
-from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
+from oslo.models.body import BodyState, DecoderBody
+from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -257,7 +257,11 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
         return self.config.initializer_range
 
 
-class GPT2Model(StagedBody, GPT2PreTrainedModel):
+class GPT2Model(DecoderBody, GPT2PreTrainedModel):
+    layers_attribute, norm_attribute = "h", "ln_f"
+    embeds_token_types = True  # through the token embedding, as transformers' GPT2
+    flattens_leading_dims = True
+
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         context = self.parallel_context
@@ -306,61 +310,6 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             return_dict=return_dict, **kwargs,
         ))
 
-    def prepare(
-        self,
-        input_ids=None,
-        cache=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        **kwargs,
-    ) -> BodyState:
-        config = self.config
-        use_cache = use_cache if use_cache is not None else config.use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False  # the recomputation would add the keys and values a second time
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None:
-            input_shape = input_ids.shape
-            input_ids = input_ids.view(-1, input_shape[-1])
-        else:
-            input_shape = inputs_embeds.shape[:-1]
-            inputs_embeds = inputs_embeds.view(-1, input_shape[-1], inputs_embeds.shape[-1])
-        if token_type_ids is not None:
-            token_type_ids = token_type_ids.view(-1, input_shape[-1])
-        if use_cache and cache is None:
-            cache = DynamicCache(config=config)  # each rank caches its own heads
-        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
-        if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]
-        if attention_mask is not None and attention_mask.ndim < 4:
-            attention_mask = attention_mask.view(embeds.shape[0], -1)
-        causal_mask = create_causal_mask(
-            config=config,
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        return BodyState(
-            input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
-            input_shape=input_shape, position_ids=position_ids, causal_mask=causal_mask,
-            cache=cache, use_cache=use_cache, output_attentions=output_attentions,
-            return_dict=return_dict if return_dict is not None else config.return_dict, kwargs=kwargs,
-            hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
-        )
-
     def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
         inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
         hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
@@ -368,34 +317,8 @@ class GPT2Model(StagedBody, GPT2PreTrainedModel):
             hidden_states = hidden_states + self.wte(state.token_type_ids)
         return {"hidden_states": self.drop(hidden_states)}
 
-    def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
-        hidden_states = payload["hidden_states"]
-        for block in self.h:
-            if state.hidden_states is not None:
-                state.hidden_states += (hidden_states,)
-            hidden_states, attn_weights = block(
-                hidden_states,
-                cache=state.cache,
-                attention_mask=state.causal_mask,
-                output_attentions=state.output_attentions,
-                position_ids=state.position_ids,
-                **state.kwargs,
-            )
-            if state.attentions is not None:
-                state.attentions += (attn_weights,)
-        return {"hidden_states": hidden_states}
-
-    def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> BaseModelOutputWithPastAndCrossAttentions:
-        hidden_states = self.ln_f(payload["hidden_states"])
-        hidden_states = hidden_states.view(-1, *state.input_shape[1:], hidden_states.size(-1))
-        if state.hidden_states is not None:
-            state.hidden_states += (hidden_states,)
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
-            **{CACHE_FIELD: state.cache if state.use_cache else None},
-            hidden_states=state.hidden_states,
-            attentions=state.attentions,
-        )
+    def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
+        return {"position_ids": state.position_ids, **state.kwargs}
 
 
 class GPT2LMHeadModel(CausalLMHead, GPT2PreTrainedModel, GenerationMixin):

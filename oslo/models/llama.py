@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -38,13 +38,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, StagedBody, stand_in_embeds
-from oslo.models.compat import (
-    CACHE_FIELD,
-    accepts_legacy_cache_name,
-    create_causal_mask,
-    create_sliding_window_causal_mask,
-)
+from oslo.models.body import FULL_ATTENTION, SLIDING_ATTENTION, BodyState, DecoderBody
+from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -57,7 +52,7 @@ from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabP
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION  # transformers' config.layer_types
 
 
 def _head_dim(config) -> int:
@@ -190,6 +185,7 @@ class LlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None,
                  *, family: type[LlamaPreTrainedModel]) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # the model's numbering: which kind of attention (config.layer_types)
         self.self_attn = LlamaAttention(config, layer_idx, parallel_context, cache_idx, family=family)
         self.mlp = LlamaMLP(config, parallel_context, family=family)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -258,8 +254,10 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
             module.kv_index.copy_(module._kv_index())
 
 
-class LlamaModel(StagedBody, LlamaPreTrainedModel):
+class LlamaModel(DecoderBody, LlamaPreTrainedModel):
     output_class = BaseModelOutputWithPast
+    layers_attribute, norm_attribute = "layers", "norm"
+    cache_only_with_use_cache = False  # transformers' Llama returns the cache it was given either way
 
     def __init__(self, config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
@@ -316,78 +314,12 @@ class LlamaModel(StagedBody, LlamaPreTrainedModel):
             output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs,
         ))
 
-    def prepare(
-        self,
-        input_ids=None,
-        cache=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        **kwargs,
-    ) -> BodyState:
-        config = self.config
-        if token_type_ids is not None:
-            raise ValueError(f"{type(self).__name__} has no token type embeddings: do not pass token_type_ids.")
-        use_cache = use_cache if use_cache is not None else config.use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False  # the recomputation would add the keys and values a second time
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if use_cache and cache is None:
-            cache = DynamicCache(config=config)  # each rank caches its own heads, each stage its own layers
-        embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
-        if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past_seen)[None]
-        mask_inputs = dict(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache,
-                           position_ids=position_ids)
-        masks = {kind: (create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask)(**mask_inputs)
-                 for kind in set(self.layer_types)}
-        return BodyState(
-            input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, masks=masks,
-            cache=cache, use_cache=use_cache, output_attentions=output_attentions, kwargs=kwargs,
-            return_dict=return_dict if return_dict is not None else config.return_dict,
-            hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
-        )
-
     def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = state.inputs_embeds if state.inputs_embeds is not None else self.embed_tokens(state.input_ids)
         return {"hidden_states": hidden_states}
 
-    def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
-        hidden_states = payload["hidden_states"]
-        position_embeddings = self.rotary_emb(hidden_states, state.position_ids)
-        for layer in self.layers:
-            if state.hidden_states is not None:
-                state.hidden_states += (hidden_states,)
-            mask = state.masks[self.layer_types[layer.self_attn.layer_idx]]
-            hidden_states, attn_weights = layer(
-                hidden_states, position_embeddings, attention_mask=mask, cache=state.cache,
-                output_attentions=state.output_attentions, **state.kwargs,
-            )
-            if state.attentions is not None:
-                state.attentions += (attn_weights,)
-        return {"hidden_states": hidden_states}
-
-    def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> BaseModelOutputWithPast:
-        hidden_states = self.norm(payload["hidden_states"])
-        if state.hidden_states is not None:
-            state.hidden_states += (hidden_states,)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **{CACHE_FIELD: state.cache if state.use_cache else None},
-            hidden_states=state.hidden_states,
-            attentions=state.attentions,
-        )
+    def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
+        return {"position_embeddings": self.rotary_emb(hidden_states, state.position_ids), **state.kwargs}
 
 
 # The heads' forwards take their arguments in the order of transformers' Llama classes (input_ids, attention_mask,

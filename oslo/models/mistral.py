@@ -35,7 +35,7 @@ class MistralPreTrainedModel(LlamaPreTrainedModel):
 
 
 class MistralModel(MistralPreTrainedModel, LlamaModel):
-    pass
+    cache_only_with_use_cache = True  # unlike Llama's, transformers' drops the cache without use_cache
 
 
 class MistralForCausalLM(MistralPreTrainedModel, LlamaForCausalLM):

@@ -33,7 +33,7 @@ class Qwen2PreTrainedModel(LlamaPreTrainedModel):
 
 
 class Qwen2Model(Qwen2PreTrainedModel, LlamaModel):
-    pass
+    cache_only_with_use_cache = True  # unlike Llama's, transformers' drops the cache without use_cache
 
 
 class Qwen2ForCausalLM(Qwen2PreTrainedModel, LlamaForCausalLM):

@@ -52,3 +52,41 @@ def test_both_names_at_once_are_refused(models):
         model(ids, DynamicCache(), past_key_values=DynamicCache())
     with pytest.raises(TypeError, match="both cache= and past_key_values="):
         model.transformer(ids, cache=DynamicCache(), past_key_values=DynamicCache())
+
+
+_BODIES = {
+    "GPT2Model": lambda: tiny_gpt2_config(),
+    "GPTNeoModel": lambda: transformers.GPTNeoConfig(
+        vocab_size=97, max_position_embeddings=32, hidden_size=32, num_layers=2, num_heads=4,
+        attention_types=[[["global", "local"], 1]], window_size=4),
+    "LlamaModel": lambda: transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32),
+    "Qwen2Model": lambda: transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32),
+    "MistralModel": lambda: transformers.MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, sliding_window=4),
+}
+
+
+@pytest.mark.parametrize("name", list(_BODIES))
+def test_the_output_holds_the_cache_when_transformers_does(tmp_path, name):
+    # The decoder bodies share their steps (oslo.models.body.DecoderBody); whether the output holds the cache a
+    # call was given with use_cache=False differs by model in transformers (GPT2, Qwen2 and Mistral drop it,
+    # GPT-Neo and Llama keep it): each must follow its own transformers class, and hold the same keys and values.
+    config = _BODIES[name]()
+    reference = save_reference(getattr(transformers, name), config, str(tmp_path)).eval()
+    model = getattr(oslo, name).from_pretrained_with_parallel(str(tmp_path)).eval()
+    ids = torch.tensor([[5, 17, 90, 3, 44]]) % config.vocab_size
+    for use_cache in (False, True, None):
+        with torch.no_grad():
+            theirs = getattr(reference(ids, **{CACHE_FIELD: DynamicCache(config=config)}, use_cache=use_cache),
+                             CACHE_FIELD)
+            ours = getattr(model(ids, cache=DynamicCache(config=config), use_cache=use_cache), CACHE_FIELD)
+        assert (ours is None) == (theirs is None), (name, use_cache)
+        if theirs is not None:
+            assert ours.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+            for layer in range(config.num_hidden_layers if hasattr(config, "num_hidden_layers") else 2):
+                torch.testing.assert_close(ours.layers[layer].keys, theirs.layers[layer].keys)
