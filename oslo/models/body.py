@@ -124,8 +124,8 @@ class DecoderBody(StagedBody):
             that passes them raises.
         flattens_leading_dims: Inputs with more than one leading dimension are flattened to ``(-1, length)`` and
             the hidden states reshaped back (transformers' GPT2), the attention mask viewed as ``(batch, -1)``.
-        cache_only_with_use_cache: The output holds the cache only when the call used it (GPT2, Llama); else
-            whatever cache the call had (GPT-Neo, as transformers').
+        cache_only_with_use_cache: The output holds the cache only when the call used it (GPT2, Qwen2, Mistral);
+            else whatever cache the call had (GPT-Neo and Llama), each as its transformers class.
 
     A model writes ``embed`` (its embeddings) and :meth:`layer_inputs` (what every layer takes besides the hidden
     states, the mask, the cache and ``output_attentions``), and, with layers of both kinds of attention, a
