@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from oslo import checkpoint as ckpt
 from oslo import lora
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
-from oslo.models import build, runner
+from oslo.models import build, runner, stages
 from oslo.models.body import StagedBody
 from oslo.parallel import ties, traced
 from oslo.parallel.agreement import (
@@ -47,13 +49,8 @@ from oslo.parallel.dtensor import (
 )
 from oslo.parallel.failure import call_watch
 from oslo.parallel.pipeline import (
-    StageLayers,
     TimelineEvent,
-    active_stage_plan,
     close_open_step,
-    partition_costs,
-    reset_stage_plan,
-    stage_plan,
 )
 from oslo.parallel.plan import ShardSpec
 
@@ -112,6 +109,32 @@ def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tu
         )
 
 
+class _Builds(threading.local):
+    depth = 0  # oslo model constructors running in this thread (a body inside its head: 2)
+
+
+_BUILDS = _Builds()
+
+
+def _building(init: Callable) -> Callable:
+    """``init`` (an oslo model class's ``__init__``) counting the constructors running, so that the outermost
+    model knows it is (its stage is assigned once it is whole), and assigning it at the end when its own
+    ``post_init`` ran inside another constructor (a subclass that builds more after ``super().__init__``)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        _BUILDS.depth += 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _BUILDS.depth -= 1
+        if _BUILDS.depth == 0 and self.pipeline_stages is None:
+            self._assign_stage()
+            PreTrainedModel.post_init(self)  # the ties and init of what the stage kept
+
+    return __init__
+
+
 class OsloPreTrainedModel(PreTrainedModel):
     """Base of oslo's model classes: a transformers ``PreTrainedModel`` that knows its parallel layout.
 
@@ -123,6 +146,8 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _building(cls.__dict__["__init__"])
         # The output classes of a training call without gathered logits (see heads.output_class_for), made with
         # the class rather than in its first call, which torch.compile may be tracing.
         for name in ("_lm_output_class", "_masked_lm_output_class"):
@@ -140,62 +165,45 @@ class OsloPreTrainedModel(PreTrainedModel):
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
         self.pipeline_timeline: list[TimelineEvent] | None = None
         self._overflow_check_pending = False
-        # The outermost model of a pipelined build measures its stages first (the body it builds, and
-        # that body's StageLayers, then take their layers from the plan; post_init drops it).
-        plan = active_stage_plan()
-        if self.parallel_context.pipeline_parallel_size > 1 and (plan is None or plan.config is not config):
-            ranges = type(self).pipeline_partition(config, self.parallel_context.pipeline_parallel_size)
-            self._stage_plan_token = stage_plan(ranges, config)
+
+    # Every stage's layers (one ``range`` of global layer indices per pipeline stage), set when the model is built
+    # (see oslo.models.stages).
+    pipeline_stages: list[range] | None = None
 
     def post_init(self):
+        # The outermost model, built whole, keeps its pipeline stage's part before its weights are initialized
+        # and its ties read (a body built inside a head is pruned with it).
+        if _BUILDS.depth == 1 and self.pipeline_stages is None:
+            self._assign_stage()
         super().post_init()
-        token = self.__dict__.pop("_stage_plan_token", None)
-        if token is not None:
-            reset_stage_plan(token)
+
+    def _assign_stage(self) -> None:
+        """Prune the whole model to its pipeline stage (see oslo.models.stages); the bodies built inside it,
+        whose ``post_init`` read their ties before, read them again from what the stage kept."""
+        stages.assign_stage(self)
+        if self.parallel_context.pipeline_parallel_size == 1:
+            return
+        for module in reversed(list(self.modules())):  # a body before the model holding it
+            if module is not self and isinstance(module, PreTrainedModel):
+                keys = module.get_expanded_tied_weights_keys(all_submodels=False)
+                for name, child in module.named_children():
+                    keys.update({f"{name}.{k}": f"{name}.{v}"
+                                 for k, v in (getattr(child, "all_tied_weights_keys", None) or {}).items()})
+                module.all_tied_weights_keys = keys
 
     @classmethod
     def pipeline_partition(cls, config: PretrainedConfig, pipeline_parallel_size: int) -> list[range]:
-        """The layers each pipeline stage of this class holds, balancing parameters: the class is built
-        once on the meta device without pipelines, its layers' parameters are counted, and so are those
-        before the first layer (embeddings: the first stage) and after the last (final norm, head, the
-        tied copy of the embeddings: the last stage). Nothing is allocated.
+        """The layers each pipeline stage of this class holds, balancing parameters: the class is built on the
+        meta device without pipelines and measured as a pipelined build measures itself (see
+        :mod:`oslo.models.stages`). Nothing is allocated.
 
         Returns:
             One ``range`` of global layer indices per stage (over every :class:`StageLayers` of the model,
             in construction order).
         """
-        token = stage_plan(None)
-        try:
-            with torch.device("meta"):
-                model = cls(config, parallel_context=ParallelContext.planning())
-        finally:
-            reset_stage_plan(token)
-        containers = [name for name, module in model.named_modules() if isinstance(module, StageLayers)]
-        offsets, total = {}, 0
-        for name in containers:
-            offsets[name] = total
-            total += model.get_submodule(name).num_layers
-        costs, before, after = [0.0] * total, 0.0, 0.0
-        # Between two containers (an encoder-decoder), a parameter of the first one's parent module (T5's
-        # encoder.final_layer_norm) weighs on the stage of its last layer, any other (the decoder's
-        # embed_tokens) on the stage of the next container's first layer, as the model code places them.
-        between = 0.0
-        last_container = None
-        for name, param in model.named_parameters(remove_duplicate=False):  # a tied copy weighs on its stage
-            container = next((c for c in containers if name.startswith(c + ".")), None)
-            if container is not None:
-                costs[offsets[container]] += between
-                between, last_container = 0.0, container
-                costs[offsets[container] + int(name[len(container) + 1:].split(".")[0])] += param.numel()
-            elif last_container is None:
-                before += param.numel()
-            elif len(containers) > 1 and name.startswith(last_container.rpartition(".")[0] + "."):
-                costs[offsets[last_container] + model.get_submodule(last_container).num_layers - 1] += param.numel()
-            else:
-                between += param.numel()
-        after += between
-        return partition_costs(costs, validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
-                               before, after)
+        with torch.device("meta"):
+            model = cls(config, parallel_context=ParallelContext.planning())
+        return stages.stage_ranges(model, pipeline_parallel_size)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Rows per micro-batch of pipeline parallelism (no effect without it)."""

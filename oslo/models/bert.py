@@ -151,14 +151,14 @@ class BertSelfAttention(nn.Module):
     (eager attention, or ``output_attentions=True``); sdpa stays sdpa."""
 
     def __init__(
-        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         # Slot in the KV cache: the layer index, except on a later pipeline stage, whose cache holds
         # only its own layers (from slot 0).
-        self.cache_idx = layer_idx if cache_idx is None else cache_idx
+        self.cache_idx = layer_idx  # its slot in the stage's KV cache (StageLayers.keep renumbers it)
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.scaling = self.attention_head_size**-0.5
         self.is_decoder = config.is_decoder
@@ -248,10 +248,10 @@ class BertSelfOutput(nn.Module):
 
 class BertAttention(nn.Module):
     def __init__(
-        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
-        self.self = BertSelfAttention(config, layer_idx, parallel_context, cache_idx)
+        self.self = BertSelfAttention(config, layer_idx, parallel_context)
         self.output = BertSelfOutput(config, parallel_context)
 
     def forward(
@@ -318,10 +318,10 @@ class BertOutput(nn.Module):
 
 class BertLayer(GradientCheckpointingLayer):
     def __init__(
-        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: BertConfig, layer_idx: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
-        self.attention = BertAttention(config, layer_idx, parallel_context, cache_idx)
+        self.attention = BertAttention(config, layer_idx, parallel_context)
         self.intermediate = BertIntermediate(config, parallel_context)
         self.output = BertOutput(config, parallel_context)
 
@@ -345,10 +345,7 @@ class BertEncoder(nn.Module):
 
     def __init__(self, config: BertConfig, parallel_context: ParallelContext) -> None:
         super().__init__()
-        self.layer = StageLayers.build(
-            config.num_hidden_layers, lambda i, slot: BertLayer(config, i, parallel_context, cache_idx=slot),
-            parallel_context,
-        )
+        self.layer = StageLayers.build(config.num_hidden_layers, lambda i: BertLayer(config, i, parallel_context))
 
 
 class BertPooler(nn.Module):
@@ -492,11 +489,10 @@ class BertModel(StagedBody, BertPreTrainedModel):
             parallel_context, add_pooling_layer = None, parallel_context
         super().__init__(config, parallel_context)
         context = self.parallel_context
-        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
         self.add_pooling_layer = add_pooling_layer
-        self.embeddings = BertEmbeddings(config, context) if first else None
+        self.embeddings = BertEmbeddings(config, context)
         self.encoder = BertEncoder(config, context)
-        self.pooler = BertPooler(config) if add_pooling_layer and last else None
+        self.pooler = BertPooler(config) if add_pooling_layer else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -665,7 +661,7 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.bert = BertModel(config, context)
-        self.cls = BertPreTrainingHeads(config, context) if context.is_pipeline_last_stage() else None
+        self.cls = BertPreTrainingHeads(config, context)
         self.post_init()
 
     def forward(
@@ -732,7 +728,7 @@ class BertLMHeadModel(_BertPredictions, CausalLMHead, BertPreTrainedModel, Gener
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.bert = BertModel(config, context, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config, context) if context.is_pipeline_last_stage() else None
+        self.cls = BertOnlyMLMHead(config, context)
         self.post_init()
 
     @accepts_legacy_cache_name
@@ -768,7 +764,7 @@ class BertForMaskedLM(_BertPredictions, MaskedLMHead, BertPreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.bert = BertModel(config, context, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config, context) if context.is_pipeline_last_stage() else None
+        self.cls = BertOnlyMLMHead(config, context)
         self.post_init()
 
     def forward(
@@ -799,7 +795,7 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.bert = BertModel(config, context)
-        self.cls = BertOnlyNSPHead(config) if context.is_pipeline_last_stage() else None
+        self.cls = BertOnlyNSPHead(config)
         self.post_init()
 
     def forward(

@@ -20,8 +20,8 @@ A body declares four steps, and its ``forward`` is their composition, readable a
 
 The pipeline runner (:func:`~oslo.models.runner.forward_with_head`), not the model,
 knows stages: it calls ``prepare`` on every stage, ``embed`` on the first, passes the payload between
-stages, and calls ``finish`` and the head on the last. Nothing in a model file mentions stages except
-which modules a stage builds (``if first`` / ``if last``) and its ``StageLayers``.
+stages, and calls ``finish`` and the head on the last. Nothing in a model file mentions stages: it builds
+the whole model, its layers in a ``StageLayers``, and each stage keeps its part (:mod:`oslo.models.stages`).
 
 The decoder-only bodies (GPT2, GPT-Neo, the Llama family) share their steps: :class:`DecoderBody` writes
 ``prepare``, ``run_layers`` and ``finish`` once, and a model file declares where its layers and final norm live,
@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
 
-__all__ = ["BodyState", "DecoderBody", "StagedBody", "stand_in_embeds"]
+__all__ = ["BodyState", "DecoderBody", "LearnedPositions", "StagedBody", "stand_in_embeds"]
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' config.layer_types
 
@@ -216,3 +216,17 @@ class DecoderBody(StagedBody):
             hidden_states=state.hidden_states,
             attentions=state.attentions,
         )
+
+
+class LearnedPositions:
+    """The ``embed`` of a decoder body with learned absolute positions (GPT2, GPT-Neo): ``wte`` of the tokens
+    (and of the token types, when given, through the same table), plus ``wpe`` of the positions, then
+    ``drop``."""
+
+    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+        inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
+        hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
+        if state.token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(state.token_type_ids)
+        return {"hidden_states": self.drop(hidden_states)}
+

@@ -77,7 +77,7 @@ def build_empty(cls: type[OsloPreTrainedModel], config: PretrainedConfig, contex
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     with torch.device("meta"):
-        model = cls(config, parallel_context=context)  # its stages' layers: see pipeline_partition
+        model = cls(config, parallel_context=context)  # whole, then pruned to its stage: see oslo.models.stages
     # Only this rank's shards are ever allocated. Leaving meta creates new parameter objects,
     # which unties shared weights: tie them again.
     model = model.to(dtype).to_empty(device=context.device)

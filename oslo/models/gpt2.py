@@ -38,7 +38,7 @@ from oslo.kernels import (
     scaled_masked_softmax,
 )
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, DecoderBody
+from oslo.models.body import BodyState, DecoderBody, LearnedPositions
 from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
@@ -73,14 +73,14 @@ class GPT2Attention(nn.Module):
     kernel pays (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(
-        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         # Slot in the KV cache: the layer index, except on a later pipeline stage, whose cache holds
         # only its own layers (from slot 0, so the cache's length is that of its first slot).
-        self.cache_idx = layer_idx if cache_idx is None else cache_idx
+        self.cache_idx = layer_idx  # its slot in the stage's KV cache (StageLayers.keep renumbers it)
         self.embed_dim = config.hidden_size
         self.head_dim = self.embed_dim // config.num_attention_heads
         self.is_causal = True
@@ -194,13 +194,13 @@ class GPT2MLP(nn.Module):
 
 class GPT2Block(GradientCheckpointingLayer):
     def __init__(
-        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: GPT2Config, layer_idx: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx, parallel_context, cache_idx)
+        self.attn = GPT2Attention(config, layer_idx, parallel_context)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config, parallel_context)
 
@@ -257,7 +257,7 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
         return self.config.initializer_range
 
 
-class GPT2Model(DecoderBody, GPT2PreTrainedModel):
+class GPT2Model(LearnedPositions, DecoderBody, GPT2PreTrainedModel):
     layers_attribute, norm_attribute = "h", "ln_f"
     embeds_token_types = True  # through the token embedding, as transformers' GPT2
     flattens_leading_dims = True
@@ -266,17 +266,11 @@ class GPT2Model(DecoderBody, GPT2PreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.embed_dim = config.hidden_size
-        # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
-        # its range of blocks, the final LayerNorm on the last.
-        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
-        self.wte = (
-            VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
-        )
-        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
+        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
         self.drop = nn.Dropout(config.embd_pdrop)
-        self.h = StageLayers.build(config.num_hidden_layers,
-                                   lambda i, slot: GPT2Block(config, i, context, cache_idx=slot), context)
-        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
+        self.h = StageLayers.build(config.num_hidden_layers, lambda i: GPT2Block(config, i, context))
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -310,13 +304,6 @@ class GPT2Model(DecoderBody, GPT2PreTrainedModel):
             return_dict=return_dict, **kwargs,
         ))
 
-    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
-        inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
-        hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
-        if state.token_type_ids is not None:
-            hidden_states = hidden_states + self.wte(state.token_type_ids)
-        return {"hidden_states": self.drop(hidden_states)}
-
     def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
         return {"position_ids": state.position_ids, **state.kwargs}
 
@@ -343,9 +330,8 @@ class GPT2DoubleHeadsModel(VocabularyHead, GPT2PreTrainedModel, GenerationMixin)
         config.num_labels = 1  # as transformers does: the multiple-choice head scores one choice
         context = self.parallel_context
         self.transformer = GPT2Model(config, context)
-        last = context.is_pipeline_last_stage()
-        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context) if last else None
-        self.multiple_choice_head = GPT2SequenceSummary(config) if last else None  # small: replicated
+        self.lm_head = VocabParallelLMHead(config.n_embd, config.vocab_size, parallel_context=context)
+        self.multiple_choice_head = GPT2SequenceSummary(config)  # small: replicated
         self.post_init()
 
     @accepts_legacy_cache_name

@@ -42,7 +42,7 @@ from oslo.kernels import (
     scaled_masked_softmax,
 )
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, DecoderBody
+from oslo.models.body import DecoderBody, LearnedPositions
 from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
@@ -80,7 +80,6 @@ class GPTNeoSelfAttention(nn.Module):
         attention_type: str,
         layer_id: int,
         parallel_context: ParallelContext,
-        cache_idx: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -89,7 +88,7 @@ class GPTNeoSelfAttention(nn.Module):
         self.layer_id = layer_id
         # Slot in the KV cache: the layer index, except on a later pipeline stage, whose cache holds
         # only its own layers (from slot 0).
-        self.cache_idx = layer_id if cache_idx is None else cache_idx
+        self.cache_idx = layer_id  # its slot in the stage's KV cache (StageLayers.keep renumbers it)
         self.is_causal = True
         self.embed_dim = config.hidden_size
         self.head_dim = self.embed_dim // config.num_heads
@@ -210,7 +209,7 @@ class GPTNeoAttention(nn.Module):
     oslo's fused kernel where it pays (:func:`~oslo.kernels.fused_bias_dropout_add_pays`)."""
 
     def __init__(
-        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -220,7 +219,7 @@ class GPTNeoAttention(nn.Module):
                 f"GPT-Neo layer {layer_id} has attention type {self.attention_type!r}; only {ATTENTION_TYPES} "
                 f"exist (config.attention_layers: {config.attention_layers})."
             )
-        self.attention = GPTNeoSelfAttention(config, self.attention_type, layer_id, parallel_context, cache_idx)
+        self.attention = GPTNeoSelfAttention(config, self.attention_type, layer_id, parallel_context)
 
     def fuse(self) -> None:
         self.attention.fused = True
@@ -270,13 +269,13 @@ class GPTNeoMLP(nn.Module):
 
 class GPTNeoBlock(GradientCheckpointingLayer):
     def __init__(
-        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext, cache_idx: int | None = None
+        self, config: GPTNeoConfig, layer_id: int, parallel_context: ParallelContext
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         inner_dim = config.intermediate_size if config.intermediate_size is not None else 4 * hidden_size
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPTNeoAttention(config, layer_id, parallel_context, cache_idx)
+        self.attn = GPTNeoAttention(config, layer_id, parallel_context)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPTNeoMLP(inner_dim, config, parallel_context)
 
@@ -321,7 +320,7 @@ class GPTNeoPreTrainedModel(OsloPreTrainedModel):
             )
 
 
-class GPTNeoModel(DecoderBody, GPTNeoPreTrainedModel):
+class GPTNeoModel(LearnedPositions, DecoderBody, GPTNeoPreTrainedModel):
     output_class = BaseModelOutputWithPast
     layers_attribute, norm_attribute = "h", "ln_f"
     embeds_token_types = True  # through the token embedding, as transformers' GPT-Neo
@@ -332,17 +331,11 @@ class GPTNeoModel(DecoderBody, GPTNeoPreTrainedModel):
         super().__init__(config, parallel_context)
         context = self.parallel_context
         self.embed_dim = config.hidden_size
-        # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
-        # its range of blocks, the final LayerNorm on the last.
-        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
-        self.wte = (
-            VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context) if first else None
-        )
-        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim) if first else None
+        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
         self.drop = nn.Dropout(float(config.embed_dropout))
-        self.h = StageLayers.build(config.num_layers,
-                                   lambda i, slot: GPTNeoBlock(config, i, context, cache_idx=slot), context)
-        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if last else None
+        self.h = StageLayers.build(config.num_layers, lambda i: GPTNeoBlock(config, i, context))
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -376,12 +369,6 @@ class GPTNeoModel(DecoderBody, GPTNeoPreTrainedModel):
             return_dict=return_dict, **kwargs,
         ))
 
-    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
-        inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
-        hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
-        if state.token_type_ids is not None:
-            hidden_states = hidden_states + self.wte(state.token_type_ids)
-        return {"hidden_states": self.drop(hidden_states)}
 
 class GPTNeoForCausalLM(CausalLMHead, GPTNeoPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}

@@ -163,11 +163,8 @@ class VocabularyHead:
     loss_chunk_size: int | None = None
 
     def _build_lm_head(self, config, bias: bool = False) -> None:
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.lm_head = (
-            VocabParallelLMHead(config.hidden_size, config.vocab_size, bias, parallel_context=self.parallel_context)
-            if last else None
-        )
+        self.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, bias,
+                                           parallel_context=self.parallel_context)
 
     def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """What the vocabulary projection reads: the body's last hidden states, as they are by default."""
@@ -327,10 +324,8 @@ class TokenClassificationHead(ClassifierDropout):
     def _build_token_classification_head(self, config) -> None:
         self.num_labels = config.num_labels
         self.dropout = nn.Dropout(self._classifier_dropout_probability(config))
-        last = self.parallel_context.is_pipeline_last_stage()
         bias = getattr(config, "token_classification_bias", True)
-        setattr(self, self._token_classifier,
-                nn.Linear(config.hidden_size, config.num_labels, bias=bias) if last else None)
+        setattr(self, self._token_classifier, nn.Linear(config.hidden_size, config.num_labels, bias=bias))
 
     @accepts_legacy_cache_name
     def forward(
@@ -417,10 +412,8 @@ class SequenceClassificationHead:
         self.num_labels = config.num_labels
         if self._sequence_classifier_dropout:
             self.dropout = nn.Dropout(ClassifierDropout._classifier_dropout_probability(config))
-        last = self.parallel_context.is_pipeline_last_stage()
-        classifier = (nn.Linear(config.hidden_size, self.num_labels, bias=self._sequence_classifier_bias)
-                      if last else None)
-        setattr(self, self._sequence_classifier, classifier)
+        setattr(self, self._sequence_classifier,
+                nn.Linear(config.hidden_size, self.num_labels, bias=self._sequence_classifier_bias))
 
     @accepts_legacy_cache_name
     def forward(
@@ -512,8 +505,7 @@ class QuestionAnsweringHead:
 
     def _build_question_answering_head(self, config) -> None:
         self.num_labels = config.num_labels
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.qa_outputs = nn.Linear(config.hidden_size, 2) if last else None
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
 
     def forward(
         self,
@@ -656,8 +648,7 @@ class MultipleChoiceHead(ClassifierDropout):
 
     def _build_multiple_choice_head(self, config) -> None:
         self.dropout = nn.Dropout(self._classifier_dropout_probability(config))
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.classifier = nn.Linear(config.hidden_size, 1) if last else None
+        self.classifier = nn.Linear(config.hidden_size, 1)
 
     def forward(
         self,

@@ -52,8 +52,6 @@ from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabP
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 
-FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION  # transformers' config.layer_types
-
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -62,19 +60,19 @@ def _head_dim(config) -> int:
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over this rank's query heads, rotary positions on queries and keys."""
 
-    def __init__(self, config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None,
+    def __init__(self, config, layer_idx: int, parallel_context: ParallelContext,
                  *, family: type[LlamaPreTrainedModel]) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         # Slot in the KV cache: a later pipeline stage's cache holds only its own layers, from slot 0.
-        self.cache_idx = layer_idx if cache_idx is None else cache_idx
+        self.cache_idx = layer_idx  # its slot in the stage's KV cache (StageLayers.keep renumbers it)
         self.head_dim = _head_dim(config)
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         layer_type = family._layer_types(config)[layer_idx]
-        self.sliding_window = config.sliding_window if layer_type == SLIDING else None
+        self.sliding_window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
         qkv_bias, o_bias = family._projection_biases(config)
@@ -182,11 +180,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(GradientCheckpointingLayer):
-    def __init__(self, config, layer_idx: int, parallel_context: ParallelContext, cache_idx: int | None = None,
+    def __init__(self, config, layer_idx: int, parallel_context: ParallelContext,
                  *, family: type[LlamaPreTrainedModel]) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # the model's numbering: which kind of attention (config.layer_types)
-        self.self_attn = LlamaAttention(config, layer_idx, parallel_context, cache_idx, family=family)
+        self.self_attn = LlamaAttention(config, layer_idx, parallel_context, family=family)
         self.mlp = LlamaMLP(config, parallel_context, family=family)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -228,7 +226,7 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
     @staticmethod
     def _layer_types(config) -> list[str]:
         """Each layer's attention: ``"full_attention"`` or ``"sliding_attention"`` (``config.sliding_window``)."""
-        return [FULL] * config.num_hidden_layers
+        return [FULL_ATTENTION] * config.num_hidden_layers
 
     @classmethod
     def _validate_parallel_config(cls, config, tensor_parallel_size: int) -> None:
@@ -264,17 +262,11 @@ class LlamaModel(DecoderBody, LlamaPreTrainedModel):
         context = self.parallel_context
         family = type(self)
         self.padding_idx = config.pad_token_id
-        # Under pipeline parallelism each stage builds only its own part: embeddings on the first,
-        # its range of layers, the final norm on the last (the rotary frequencies everywhere).
-        first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.padding_idx, parallel_context=context)
-            if first else None
-        )
-        self.layers = StageLayers.build(
-            config.num_hidden_layers,
-            lambda i, slot: LlamaDecoderLayer(config, i, context, cache_idx=slot, family=family), context)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
+                                                   parallel_context=context)
+        self.layers = StageLayers.build(config.num_hidden_layers,
+                                        lambda i: LlamaDecoderLayer(config, i, context, family=family))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.layer_types = family._layer_types(config)
         if context.pipeline_parallel_size > 1 and len(set(self.layer_types)) > 1:

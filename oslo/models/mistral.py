@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from transformers import MistralConfig
 
+from oslo.models.body import FULL_ATTENTION, SLIDING_ATTENTION
 from oslo.models.llama import (
-    FULL,
-    SLIDING,
     LlamaForCausalLM,
     LlamaForQuestionAnswering,
     LlamaForSequenceClassification,
@@ -31,7 +30,7 @@ class MistralPreTrainedModel(LlamaPreTrainedModel):
 
     @staticmethod
     def _layer_types(config) -> list[str]:
-        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+        return [SLIDING_ATTENTION if config.sliding_window is not None else FULL_ATTENTION] * config.num_hidden_layers
 
 
 class MistralModel(MistralPreTrainedModel, LlamaModel):

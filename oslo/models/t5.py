@@ -72,7 +72,7 @@ from oslo.parallel.layers import (
     VocabParallelEmbedding,
 )
 from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers, StageLink, active_stage_plan, pipeline_pass
+from oslo.parallel.pipeline import StageLayers, StageLink, pipeline_pass
 
 # transformers' bucketing of relative positions (a pure function of positions and the config)
 relative_position_bucket = _TransformersT5Attention._relative_position_bucket
@@ -197,7 +197,7 @@ class T5Attention(nn.Module):
         self.n_heads = config.num_heads
         self.dropout = config.dropout_rate
         self.scaling = 1.0  # T5 folds the scaling into its initialization
-        self.cache_idx = self.layer_idx = cache_idx
+        self.cache_idx = cache_idx
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
         inner = config.num_heads * config.d_kv
@@ -335,20 +335,27 @@ class T5Stack(nn.Module):
         super().__init__()
         self.config = config
         self.is_decoder = config.is_decoder
+        self.embed_tokens = embed_tokens
         self.block = StageLayers.build(
-            config.num_layers, lambda i, slot: T5Block(config, i == 0, parallel_context, cache_idx=slot),
-            parallel_context)
+            config.num_layers, lambda i: T5Block(config, i == 0, parallel_context, cache_idx=i))
         self.num_layers = config.num_layers
-        self.starts_here = 0 in self.held()
-        self.ends_here = config.num_layers - 1 in self.held()
-        self.embed_tokens = embed_tokens if self.starts_here else None
-        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon) if self.ends_here else None
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
         self._owner: weakref.ref | None = None  # the model that runs this stack (set by it)
 
     def held(self) -> list[int]:
         """The indices of this stage's blocks."""
         return [int(name) for name in self.block._modules]
+
+    @property
+    def starts_here(self) -> bool:
+        """This stage holds the stack's first block."""
+        return str(0) in self.block._modules
+
+    @property
+    def ends_here(self) -> bool:
+        """This stage holds the stack's last block."""
+        return str(self.num_layers - 1) in self.block._modules
 
     def position_table(self) -> torch.Tensor:
         """The relative position table of the first block (this stage holds it)."""
@@ -444,16 +451,6 @@ def _stack_configs(config: T5Config) -> tuple[T5Config, T5Config]:
     return encoder_config, decoder_config
 
 
-def _layer_stages(num_encoder_layers: int) -> tuple[int, int]:
-    """(the stage of the encoder's last layer, the stage of the decoder's first layer) under the plan of the
-    model being built (0 and 0 without pipelines)."""
-    plan = active_stage_plan()
-    if plan is None or plan.ranges is None:
-        return 0, 0
-    stage_of = {layer: stage for stage, layers in enumerate(plan.ranges) for layer in layers}
-    return stage_of[num_encoder_layers - 1], stage_of.get(num_encoder_layers, len(plan.ranges) - 1)
-
-
 class _T5Stacks(StagedBody):
     """What runs T5's stacks stage by stage (see :mod:`oslo.models.body`), for the classes that hold
     ``encoder`` (and ``decoder``) themselves."""
@@ -463,21 +460,29 @@ class _T5Stacks(StagedBody):
 
     def _build_stacks(self, config: T5Config, decoder: bool = True) -> None:
         context = self.parallel_context
-        first = context.is_pipeline_first_stage()
-        self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model, parallel_context=context) \
-            if first else None
+        self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model, parallel_context=context)
         encoder_config, decoder_config = _stack_configs(config)
-        self.encoder_end_stage, self.decoder_start_stage = _layer_stages(config.num_layers)
         self.encoder = T5Stack(encoder_config, context, self.shared)
         self.encoder._owner = weakref.ref(self)
-        if not decoder:
-            self.decoder = None
-            return
-        embed_tokens = None
-        if context.pipeline_parallel_rank == self.decoder_start_stage:  # tied to shared (one parameter on stage 0)
-            embed_tokens = self.shared if self.shared is not None else VocabParallelEmbedding(
-                config.vocab_size, config.d_model, parallel_context=context)
-        self.decoder = T5Stack(decoder_config, context, embed_tokens)
+        # The decoder's embed_tokens is shared too; a stage where the decoder starts without the encoder's first
+        # block keeps it as its copy of the tied weight.
+        self.decoder = T5Stack(decoder_config, context, self.shared) if decoder else None
+
+    def _stage_of_layer(self, layer: int) -> int:
+        """The pipeline stage holding global layer ``layer`` (encoder's blocks, then the decoder's); the last
+        stage for a layer past the model's."""
+        ranges = self.pipeline_stages or [range(layer + 1)]
+        return next((stage for stage, layers in enumerate(ranges) if layer in layers), len(ranges) - 1)
+
+    @property
+    def encoder_end_stage(self) -> int:
+        """The pipeline stage holding the encoder's last block."""
+        return self._stage_of_layer(self.config.num_layers - 1)
+
+    @property
+    def decoder_start_stage(self) -> int:
+        """The pipeline stage holding the decoder's first block."""
+        return self._stage_of_layer(self.config.num_layers)
 
     def get_input_embeddings(self) -> VocabParallelEmbedding | None:
         return self.shared
@@ -849,8 +854,7 @@ class T5ForSequenceClassification(SequenceClassificationHead, T5PreTrainedModel)
         super().__init__(config, parallel_context)
         self.transformer = T5Model(config, self.parallel_context)
         self.num_labels = config.num_labels
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.classification_head = T5ClassificationHead(config) if last else None
+        self.classification_head = T5ClassificationHead(config)
         self.post_init()
 
     def forward(
@@ -916,8 +920,7 @@ class T5ForQuestionAnswering(QuestionAnsweringHead, _T5Stacks, T5PreTrainedModel
         self.model_dim = config.d_model
         self._build_stacks(config)
         self.num_labels = config.num_labels
-        last = self.parallel_context.is_pipeline_last_stage()
-        self.qa_outputs = nn.Linear(config.d_model, config.num_labels) if last else None
+        self.qa_outputs = nn.Linear(config.d_model, config.num_labels)
         self.post_init()
 
     def forward(

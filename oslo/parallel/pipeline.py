@@ -28,7 +28,6 @@ same tensor- and data-parallel rank in the neighbouring stages.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import logging
 import math
@@ -56,7 +55,6 @@ __all__ = [
     "StageLink",
     "partition_layers",
     "partition_costs",
-    "stage_plan",
     "pipeline_pass",
     "pipeline_schedule",
     "split_micro_batches",
@@ -159,32 +157,6 @@ def partition_costs(
     return ranges
 
 
-class _StagePlan:
-    """The layer ranges of every stage of a model being built, over the concatenation of its
-    :class:`StageLayers` containers in construction order (T5: encoder blocks, then decoder blocks)."""
-
-    def __init__(self, ranges: list[range], config: Any) -> None:
-        self.ranges, self.config, self.offset = ranges, config, 0
-
-
-_STAGE_PLAN: contextvars.ContextVar[_StagePlan | None] = contextvars.ContextVar("oslo_stage_plan", default=None)
-
-
-def stage_plan(ranges: list[range] | None, config: Any = None):
-    """Make ``ranges`` (layers per stage, from measured costs) the partition that the :class:`StageLayers`
-    built until the returned token is reset take their layers from. Returns the token."""
-    return _STAGE_PLAN.set(_StagePlan(ranges, config) if ranges is not None else None)
-
-
-def reset_stage_plan(token) -> None:
-    """Make the plan active before :func:`stage_plan` returned ``token`` active again."""
-    _STAGE_PLAN.reset(token)
-
-
-def active_stage_plan() -> _StagePlan | None:
-    return _STAGE_PLAN.get()
-
-
 class StageLayers(nn.Module):
     """The blocks of one pipeline stage, registered under their global indices.
 
@@ -207,25 +179,22 @@ class StageLayers(nn.Module):
         self.num_layers = num_layers if num_layers is not None else max(layers, default=-1) + 1
 
     @classmethod
-    def build(cls, num_layers: int, make_layer: Callable[[int, int], nn.Module], context: ParallelContext
-              ) -> StageLayers:
-        """This stage's layers of a model of ``num_layers``: ``make_layer(index, slot)`` builds layer
-        ``index`` (global), ``slot`` being its position on this stage (its slot in the stage's KV cache).
+    def build(cls, num_layers: int, make_layer: Callable[[int], nn.Module]) -> StageLayers:
+        """Every layer of a model of ``num_layers``: ``make_layer(index)`` builds layer ``index``. The model is
+        built whole; a pipeline stage then keeps its own layers (see :mod:`oslo.models.stages`)."""
+        return cls({index: make_layer(index) for index in range(num_layers)}, num_layers=num_layers)
 
-        Which layers a stage holds comes from the plan of the model being built (see
-        :meth:`~oslo.models.base.OsloPreTrainedModel.pipeline_partition`: stage costs measured on the meta
-        device); without one, the layers are split evenly."""
-        if context.pipeline_parallel_size == 1:
-            own = range(num_layers)
-        else:
-            plan = _STAGE_PLAN.get()
-            if plan is None:
-                own = partition_layers(num_layers, context.pipeline_parallel_size)[context.pipeline_parallel_rank]
-            else:
-                mine = plan.ranges[context.pipeline_parallel_rank]
-                start, plan.offset = plan.offset, plan.offset + num_layers
-                own = range(max(mine.start - start, 0), max(min(mine.stop - start, num_layers), 0))
-        return cls({i: make_layer(i, i - own.start) for i in own}, num_layers=num_layers)
+    def keep(self, own: range) -> None:
+        """Keep the layers of ``own`` (global indices), dropping the others, and number the kept ones' slots in
+        the stage's KV cache from 0: a layer's modules that hold ``cache_idx`` get their layer's position on
+        the stage."""
+        for index in list(self._modules):
+            if int(index) not in own:
+                del self._modules[index]
+        for slot, layer in enumerate(self):
+            for module in layer.modules():
+                if hasattr(module, "cache_idx"):
+                    module.cache_idx = slot
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
