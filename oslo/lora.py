@@ -166,6 +166,10 @@ def _make_class():
             self._oslo_features = (base.in_features, base.out_features)
             context = _context_of(base)
             self._oslo_context = context if context is not None and context.world_size > 1 else None
+            if getattr(base, "sequence", None) is not None:
+                raise NotImplementedError(
+                    f"LoRA on a {type(base).__name__} of a model built with sequence_parallel=True is not implemented "
+                    "yet: build the model with sequence_parallel=False to fine-tune it with PEFT.")
             if getattr(base, "transposed", False) and not config.fan_in_fan_out:  # as PEFT does for Conv1D
                 warnings.warn(f"fan_in_fan_out is set to False but the target module {type(base).__name__} stores its "
                               "weight as (in_features, out_features), as transformers' Conv1D. Setting "

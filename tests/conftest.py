@@ -43,3 +43,24 @@ for _name in oslo.__all__:  # oslo imports its names lazily: resolve them now, o
     getattr(oslo, _name)
 
 transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zoo_checkpoints(tmp_path_factory):
+    """``get(arch)``: the directory holding a transformers checkpoint of every case of ``arch`` in the zoo
+    (tests/models/zoo.py), each under its key; saved once per session, the first time it is asked for."""
+    from tests.models import zoo
+
+    saved: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in saved:
+            root = str(tmp_path_factory.mktemp(f"zoo-{arch}"))
+            zoo.save_checkpoints(root, arch)
+            saved[arch] = root
+        return saved[arch]
+
+    return get

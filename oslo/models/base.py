@@ -24,7 +24,7 @@ from oslo import lora
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models import build, runner, stages
 from oslo.models.body import StagedBody
-from oslo.parallel import ties, traced
+from oslo.parallel import sequence, ties, traced
 from oslo.parallel.agreement import (
     agreed_inputs,
     check_same_inputs,
@@ -143,6 +143,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     """
 
     _supports_pipeline_parallel = False
+    _supports_sequence_parallel = False  # sequence_parallel=True: the decoder-only bodies (oslo.parallel.sequence)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -179,8 +180,18 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def _assign_stage(self) -> None:
         """Prune the whole model to its pipeline stage (see oslo.models.stages); the bodies built inside it,
-        whose ``post_init`` read their ties before, read them again from what the stage kept."""
+        whose ``post_init`` read their ties before, read them again from what the stage kept. Under sequence
+        parallelism, the layers of the stage then split sequences (see oslo.parallel.sequence)."""
         stages.assign_stage(self)
+        if self.parallel_context.sequence_parallel:
+            if not self._supports_sequence_parallel:
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not support sequence parallelism yet (its parallel_context was made "
+                    "with sequence_parallel=True): the decoder-only classes (GPT2, GPT-Neo, Llama, Qwen2, Mistral) "
+                    "do. Use a context made with sequence_parallel=False."
+                )
+            body = self.base_model
+            sequence.shard_sequences(self, body, getattr(body, body.norm_attribute, None))
         if self.parallel_context.pipeline_parallel_size == 1:
             return
         for module in reversed(list(self.modules())):  # a body before the model holding it
@@ -415,6 +426,11 @@ class OsloPreTrainedModel(PreTrainedModel):
         Returns:
             The model itself, so that ``model = model.fuse()`` works.
         """
+        if self.parallel_context.sequence_parallel:
+            raise NotImplementedError(
+                "fuse() on a model built with sequence_parallel=True is not implemented yet (the fused bias + dropout "
+                "+ residual reads a bias whose gradient sequence parallelism sums): build the model with "
+                "sequence_parallel=False to fuse it.")
         fusable = {
             type(m) for m in self.modules()
             if not isinstance(m, OsloPreTrainedModel) and callable(getattr(m, "fuse", None))
@@ -619,6 +635,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         parallel_context: ParallelContext | None = None,
         timeout: timedelta | float | None = None,
         deployment: bool = False,
+        sequence_parallel: bool = False,
     ):
         """A randomly initialized model, split across ranks.
 
@@ -640,6 +657,10 @@ class OsloPreTrainedModel(PreTrainedModel):
             deployment: Run the model in ``tensor_parallel_size * pipeline_parallel_size`` worker processes
                 that this call starts (from a plain ``python`` process, no launcher), and return a
                 :class:`~oslo.deployment.DeployedModel` that drives them. See :mod:`oslo.deployment`.
+            sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
+                between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
+                the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
+                family) have it. See :mod:`oslo.parallel.sequence`.
 
         Returns:
             The model, in training mode as transformers' ``from_config`` leaves it (with ``deployment=True``:
@@ -649,7 +670,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             cls, config, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-            parallel_context=parallel_context, timeout=timeout, deployment=deployment)
+            parallel_context=parallel_context, timeout=timeout, deployment=deployment,
+            sequence_parallel=sequence_parallel)
 
     @classmethod
     def from_pretrained_with_parallel(
@@ -667,6 +689,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         timeout: timedelta | float | None = None,
         config: PretrainedConfig | None = None,
         deployment: bool = False,
+        sequence_parallel: bool = False,
         **kwargs,
     ):
         """Load a checkpoint split across ranks; each rank reads only its own slices.
@@ -708,6 +731,10 @@ class OsloPreTrainedModel(PreTrainedModel):
                 that this call starts (from a plain ``python`` process, no launcher), each loading only its
                 shard, and return a :class:`~oslo.deployment.DeployedModel` that drives them. Refused with a
                 ``ValueError`` under a launcher. See :mod:`oslo.deployment`.
+            sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
+                between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
+                the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
+                family) have it. See :mod:`oslo.parallel.sequence`.
             **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
 
         Returns:
@@ -719,7 +746,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             pipeline_parallel_size=pipeline_parallel_size, micro_batch_size=micro_batch_size,
             resize_token_embeddings=resize_token_embeddings, seed=seed, dtype=dtype, torch_dtype=torch_dtype,
             attn_implementation=attn_implementation, parallel_context=parallel_context, timeout=timeout,
-            config=config, deployment=deployment, **kwargs)
+            config=config, deployment=deployment, sequence_parallel=sequence_parallel, **kwargs)
 
     # ---- saving ------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -25,7 +25,7 @@ the whole model, its layers in a ``StageLayers``, and each stage keeps its part 
 
 The decoder-only bodies (GPT2, GPT-Neo, the Llama family) share their steps: :class:`DecoderBody` writes
 ``prepare``, ``run_layers`` and ``finish`` once, and a model file declares where its layers and final norm live,
-writes ``embed`` and says what its layers take (:meth:`DecoderBody.layer_inputs`). BERT and T5 write their own.
+writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_inputs`). BERT and T5 write their own.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
 from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
+from oslo.parallel.context import SequenceSharding
+from oslo.parallel.mappings import gather_from_tensor_parallel, scatter_to_tensor_parallel
+from oslo.parallel.sequence import check_sequence_length
 
 __all__ = ["BodyState", "DecoderBody", "LearnedPositions", "StagedBody", "stand_in_embeds"]
 
@@ -127,9 +130,15 @@ class DecoderBody(StagedBody):
         cache_only_with_use_cache: The output holds the cache only when the call used it (GPT2, Qwen2, Mistral);
             else whatever cache the call had (GPT-Neo and Llama), each as its transformers class.
 
-    A model writes ``embed`` (its embeddings) and :meth:`layer_inputs` (what every layer takes besides the hidden
-    states, the mask, the cache and ``output_attentions``), and, with layers of both kinds of attention, a
-    ``layer_types`` list (``"full_attention"`` / ``"sliding_attention"``, one per layer of the model).
+    A model writes ``embed_inputs`` (its embeddings: the first payload) and :meth:`layer_inputs` (what every layer
+    takes besides the hidden states, the mask, the cache and ``output_attentions``), and, with layers of both kinds
+    of attention, a ``layer_types`` list (``"full_attention"`` / ``"sliding_attention"``, one per layer of the
+    model).
+
+    Under sequence parallelism (:mod:`oslo.parallel.sequence`) the payload between the embeddings and the final
+    norm is this rank's shard of the sequence: ``embed`` splits it, ``finish`` gathers the norm's output, and the
+    per-layer hidden states are gathered as they are recorded. A call without gradients whose length the
+    tensor-parallel size does not divide (a decoding step) runs whole instead.
     """
 
     layers_attribute: str = "layers"
@@ -138,6 +147,24 @@ class DecoderBody(StagedBody):
     flattens_leading_dims: bool = False
     cache_only_with_use_cache: bool = True
     layer_types: list[str] | None = None
+
+    def embed_inputs(self, state: BodyState) -> dict[str, torch.Tensor]:
+        """The embeddings of the call's inputs: the first payload (whole sequences)."""
+        raise NotImplementedError
+
+    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+        payload = self.embed_inputs(state)
+        if state.sequence_sharded:  # this rank's shard of the sequence from here to the final norm
+            payload = {**payload, "hidden_states": scatter_to_tensor_parallel(
+                payload["hidden_states"], self.parallel_context.tensor_parallel_group, SequenceSharding.dim)}
+        return payload
+
+    def _whole(self, hidden_states: torch.Tensor, state: BodyState) -> torch.Tensor:
+        """``hidden_states`` with the whole sequence (gathered from the ranks' shards under sequence parallelism)."""
+        if not state.sequence_sharded:
+            return hidden_states
+        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                           SequenceSharding.dim)
 
     def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
         """The keyword arguments every layer of this stage takes besides the hidden states, ``attention_mask``,
@@ -180,7 +207,11 @@ class DecoderBody(StagedBody):
                            position_ids=position_ids)
         masks = {kind: (create_sliding_window_causal_mask if kind == SLIDING_ATTENTION else create_causal_mask)(
             **mask_inputs) for kind in set(self.layer_types or (FULL_ATTENTION,))}
+        check_sequence_length(self.parallel_context, embeds.shape[1])
+        sequence = self.parallel_context.sequence
+        sharded = sequence.enabled and embeds.shape[1] % self.parallel_context.tensor_parallel_size == 0
         return BodyState(
+            sequence_sharded=sharded,
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
             input_shape=input_shape, position_ids=position_ids, masks=masks, cache=cache, use_cache=use_cache,
             output_attentions=output_attentions, kwargs=kwargs,
@@ -191,20 +222,27 @@ class DecoderBody(StagedBody):
     def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = payload["hidden_states"]
         inputs = self.layer_inputs(hidden_states, state)
-        for layer in getattr(self, self.layers_attribute):
-            if state.hidden_states is not None:
-                state.hidden_states += (hidden_states,)
-            kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
-            hidden_states, attn_weights = layer(
-                hidden_states, attention_mask=state.masks[kind], cache=state.cache,
-                output_attentions=state.output_attentions, **inputs,
-            )
-            if state.attentions is not None:
-                state.attentions += (attn_weights,)
+        sequence = self.parallel_context.sequence
+        if sequence.enabled:  # the layers run whole in this call when it is not split (see SequenceSharding)
+            sequence.suspended = not state.sequence_sharded
+        try:
+            for layer in getattr(self, self.layers_attribute):
+                if state.hidden_states is not None:
+                    state.hidden_states += (self._whole(hidden_states, state),)
+                kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
+                hidden_states, attn_weights = layer(
+                    hidden_states, attention_mask=state.masks[kind], cache=state.cache,
+                    output_attentions=state.output_attentions, **inputs,
+                )
+                if state.attentions is not None:
+                    state.attentions += (attn_weights,)
+        finally:
+            if sequence.enabled:
+                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
         return {"hidden_states": hidden_states}
 
     def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> ModelOutput:
-        hidden_states = getattr(self, self.norm_attribute)(payload["hidden_states"])
+        hidden_states = self._whole(getattr(self, self.norm_attribute)(payload["hidden_states"]), state)
         if self.flattens_leading_dims:
             hidden_states = hidden_states.view(-1, *state.input_shape[1:], hidden_states.size(-1))
         if state.hidden_states is not None:
@@ -219,11 +257,11 @@ class DecoderBody(StagedBody):
 
 
 class LearnedPositions:
-    """The ``embed`` of a decoder body with learned absolute positions (GPT2, GPT-Neo): ``wte`` of the tokens
+    """The embeddings of a decoder body with learned absolute positions (GPT2, GPT-Neo): ``wte`` of the tokens
     (and of the token types, when given, through the same table), plus ``wpe`` of the positions, then
     ``drop``."""
 
-    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+    def embed_inputs(self, state: BodyState) -> dict[str, torch.Tensor]:
         inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
         hidden_states = inputs_embeds + self.wpe(state.position_ids).to(inputs_embeds.device)  # (B, T, C)
         if state.token_type_ids is not None:

@@ -55,19 +55,38 @@ def validate_pipeline_size(cls: type[OsloPreTrainedModel], pipeline_parallel_siz
 
 
 def parallel_context_for(
-    parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None, timeout=None
+    parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None, timeout=None,
+    sequence_parallel: bool = False,
 ) -> ParallelContext:
-    """``parallel_context`` if its sizes are ``tp`` x ``pp`` (else ``ValueError``), or a new context of those sizes
-    when it is ``None``."""
+    """``parallel_context`` if its sizes are ``tp`` x ``pp`` and it splits sequences as asked (else ``ValueError``),
+    or a new context of those sizes when it is ``None``."""
     if parallel_context is None:
-        return ParallelContext(tp, pp, seed=seed, timeout=timeout)
+        return ParallelContext(tp, pp, seed=seed, timeout=timeout, sequence_parallel=sequence_parallel)
     if (parallel_context.tensor_parallel_size, parallel_context.pipeline_parallel_size) != (tp, pp):
         raise ValueError(
             f"parallel_context has tensor_parallel_size={parallel_context.tensor_parallel_size}, "
             f"pipeline_parallel_size={parallel_context.pipeline_parallel_size} but tensor_parallel_size={tp}, "
             f"pipeline_parallel_size={pp} were requested; pass matching sizes."
         )
+    if parallel_context.sequence_parallel != (sequence_parallel and tp > 1):
+        raise ValueError(
+            f"parallel_context was made with sequence_parallel={parallel_context.sequence_parallel} but "
+            f"sequence_parallel={sequence_parallel} was requested: the models of one context split sequences "
+            "alike. Pass the context's setting, or a context made with ParallelContext(..., sequence_parallel=...)."
+        )
     return parallel_context
+
+
+def validate_sequence_parallel(cls: type[OsloPreTrainedModel], sequence_parallel: bool) -> bool:
+    """``sequence_parallel``, checked: a bool, and only for the classes that have it."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}.")
+    if sequence_parallel and not cls._supports_sequence_parallel:
+        raise NotImplementedError(
+            f"{cls.__name__} does not support sequence_parallel=True yet: the decoder-only classes (GPT2, GPT-Neo, "
+            "Llama, Qwen2, Mistral) do. Build it with sequence_parallel=False."
+        )
+    return sequence_parallel
 
 
 def build_empty(cls: type[OsloPreTrainedModel], config: PretrainedConfig, context: ParallelContext, dtype: torch.dtype,
@@ -138,6 +157,7 @@ def from_config_with_parallel(
     parallel_context: ParallelContext | None = None,
     timeout: timedelta | float | None = None,
     deployment: bool = False,
+    sequence_parallel: bool = False,
 ):
     """See :meth:`~oslo.models.base.OsloPreTrainedModel.from_config_with_parallel`."""
     if deployment:
@@ -147,9 +167,10 @@ def from_config_with_parallel(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-            parallel_context=parallel_context, timeout=timeout))
+            parallel_context=parallel_context, timeout=timeout, sequence_parallel=sequence_parallel))
     tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
     pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
+    sequence_parallel = validate_sequence_parallel(cls, sequence_parallel)
     dtype = resolve_dtype(dtype, torch_dtype)
     dtype = torch.float32 if dtype in (None, "auto") else dtype
     if not isinstance(config, cls.config_class):
@@ -162,7 +183,7 @@ def from_config_with_parallel(
     if resize_token_embeddings is not None:
         config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
     cls._validate_parallel_config(config, tp)
-    context = parallel_context_for(parallel_context, tp, pp, seed, timeout)
+    context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
     model = build_empty(cls, config, context, dtype, attn_implementation)
     model.set_micro_batch_size(micro_batch_size)
 
@@ -194,6 +215,7 @@ def from_pretrained_with_parallel(
     timeout: timedelta | float | None = None,
     config: PretrainedConfig | None = None,
     deployment: bool = False,
+    sequence_parallel: bool = False,
     **kwargs,
 ):
     """See :meth:`~oslo.models.base.OsloPreTrainedModel.from_pretrained_with_parallel`."""
@@ -204,15 +226,17 @@ def from_pretrained_with_parallel(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-            parallel_context=parallel_context, timeout=timeout, config=config, **kwargs))
+            parallel_context=parallel_context, timeout=timeout, config=config, sequence_parallel=sequence_parallel,
+            **kwargs))
     tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
     pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
+    sequence_parallel = validate_sequence_parallel(cls, sequence_parallel)
     dtype = resolve_dtype(dtype, torch_dtype)
     hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
     path = os.fspath(pretrained_model_name_or_path)
     context = None
     if hub.is_hub_name(path):  # every rank resolves it together: the context comes first
-        context = parallel_context_for(parallel_context, tp, pp, seed, timeout)
+        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
     path = hub.resolve_checkpoint(path, context, **hub_options)
     checkpoint = ckpt.inspect_checkpoint(path)
     config, unused = load_config(cls, path, config, kwargs)
@@ -230,7 +254,7 @@ def from_pretrained_with_parallel(
         dtype = resolve_dtype(dtype, None)
 
     if context is None:
-        context = parallel_context_for(parallel_context, tp, pp, seed, timeout)
+        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
     model = build_empty(cls, config, context, dtype, attn_implementation)
     model.set_micro_batch_size(micro_batch_size)
     ckpt.load_checkpoint(

@@ -114,8 +114,8 @@ class GPT2Attention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
-        batch, length, _ = hidden_states.shape
         query, key, value = self.c_attn(hidden_states).chunk(3, dim=-1)  # 3 x (B, T, nh_local * hs)
+        batch, length = query.shape[:2]  # the whole sequence (gathered under sequence parallelism)
         query = query.view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
         key = key.view(batch, length, -1, self.head_dim).transpose(1, 2)
         value = value.view(batch, length, -1, self.head_dim).transpose(1, 2)
@@ -234,6 +234,7 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"crossattention\.bias"]
     _supports_pipeline_parallel = True
+    _supports_sequence_parallel = True
     supports_gradient_checkpointing = True
 
     @classmethod

@@ -53,7 +53,7 @@ from oslo.models.heads import (
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
+from oslo.parallel.mappings import enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 
 ATTENTION_TYPES = ("global", "local")
@@ -94,6 +94,7 @@ class GPTNeoSelfAttention(nn.Module):
         self.head_dim = self.embed_dim // config.num_heads
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.sequence = None  # sequence parallelism's state, when on (see oslo.parallel.sequence)
         self.fused = False
 
         context = parallel_context
@@ -117,9 +118,9 @@ class GPTNeoSelfAttention(nn.Module):
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
-        batch, length, _ = hidden_states.shape
-        # One copy into the tensor-parallel region for q, k and v: one all-reduce backward, not three.
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
+        # One entry into the tensor-parallel region for q, k and v: one collective backward, not three.
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
+        batch, length, _ = shared.shape  # the whole sequence (gathered under sequence parallelism)
         query = self._heads(self.q_proj(shared, input_is_copied=True))
         key = self._heads(self.k_proj(shared, input_is_copied=True))
         value = self._heads(self.v_proj(shared, input_is_copied=True))
@@ -307,6 +308,7 @@ class GPTNeoPreTrainedModel(OsloPreTrainedModel):
     # Older GPT-Neo checkpoints hold transformers' (recomputed) attention masks.
     _keys_to_ignore_on_load_unexpected = [r"attn\.attention\.bias", r"attn\.attention\.masked_bias"]
     _supports_pipeline_parallel = True
+    _supports_sequence_parallel = True
     supports_gradient_checkpointing = True
 
     @classmethod

@@ -49,7 +49,7 @@ from oslo.models.heads import (
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
+from oslo.parallel.mappings import copy_to_tensor_parallel, enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 
 
@@ -75,6 +75,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.sequence = None  # sequence parallelism's state, when on (see oslo.parallel.sequence)
         qkv_bias, o_bias = family._projection_biases(config)
         heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
         tp, rank = parallel_context.tensor_parallel_size, parallel_context.tensor_parallel_rank
@@ -125,10 +126,10 @@ class LlamaAttention(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, length, _ = hidden_states.shape
+        # One entry into the tensor-parallel region for q, k and v: one collective backward, not three.
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
+        batch, length, _ = shared.shape  # the whole sequence (gathered under sequence parallelism)
         hidden_shape = (batch, length, -1, self.head_dim)
-        # One copy into the tensor-parallel region for q, k and v: one all-reduce backward, not three.
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
         query = self.q_proj(shared, input_is_copied=True).view(hidden_shape).transpose(1, 2)  # (B, nh_local, T, hd)
         if self.kv_split:
             key, value = self.k_proj(shared, input_is_copied=True), self.v_proj(shared, input_is_copied=True)
@@ -168,13 +169,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, family._mlp_bias(config)
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.sequence = None  # sequence parallelism's state, when on (see oslo.parallel.sequence)
         self.gate_proj = ColumnParallelLinear(hidden, inner, bias, parallel_context=parallel_context)
         self.up_proj = ColumnParallelLinear(hidden, inner, bias, parallel_context=parallel_context)
         self.down_proj = RowParallelLinear(inner, hidden, bias, parallel_context=parallel_context)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)  # one all-reduce backward
+        # One entry into the tensor-parallel region for gate and up: one collective backward, not two.
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
         gate = self.gate_proj(shared, input_is_copied=True)
         return self.down_proj(self.act_fn(gate) * self.up_proj(shared, input_is_copied=True))
 
@@ -212,6 +215,7 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _supports_pipeline_parallel = True
+    _supports_sequence_parallel = True
     supports_gradient_checkpointing = True
 
     @staticmethod
@@ -306,7 +310,7 @@ class LlamaModel(DecoderBody, LlamaPreTrainedModel):
             output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs,
         ))
 
-    def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
+    def embed_inputs(self, state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = state.inputs_embeds if state.inputs_embeds is not None else self.embed_tokens(state.input_ids)
         return {"hidden_states": hidden_states}
 

@@ -28,6 +28,7 @@ from oslo.parallel.pipeline import (
     pipeline_schedule,
     split_micro_batches,
 )
+from oslo.parallel.sequence import check_sequence_length
 
 if TYPE_CHECKING:
     from oslo.models.base import OsloPreTrainedModel
@@ -135,6 +136,9 @@ def forward_with_head(
         pending[0].require_backward_grad_sync = pending[1]
     batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
     has_loss_inputs = any(value is not None for value in head_inputs.values())
+    ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
+    check_sequence_length(context, ids.shape[-1] if ids is not None else
+                          embeds.shape[-2] if embeds is not None else None)
 
     def with_body_fields(values: dict, outputs) -> dict:
         for name in fields:

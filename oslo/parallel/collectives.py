@@ -43,3 +43,17 @@ def eager_all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.
     failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
     gathered = torch.cat(parts, dim=dim)
     return gathered.to(device) if staged else gathered
+
+
+def eager_reduce_scatter(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
+    """This rank's equal chunk along ``dim`` of the sum of ``tensor`` over ``group`` (a new tensor), waited for as
+    :func:`eager_all_reduce` is."""
+    device = tensor.device
+    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    rows = (tensor.cpu() if staged else tensor).movedim(dim, 0).contiguous()
+    out = rows.new_empty((rows.shape[0] // group_size(group), *rows.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (its older name)
+    failure.wait(scatter(out, rows, group=group, async_op=True), group, what)
+    out = out.movedim(0, dim)
+    return out.to(device) if staged else out
+

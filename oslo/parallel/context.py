@@ -172,6 +172,24 @@ def _init_distributed(backend: str | None, timeout: timedelta) -> None:
     _created_groups.add(default=dist.group.WORLD)
 
 
+class SequenceSharding:
+    """Sequence parallelism's state, shared by a context's layers: whether the activations between the
+    tensor-parallel regions of a block (its norms, dropout and residual adds) are split along the sequence
+    (``dim``) across the tensor-parallel ranks (``enabled``), and whether the current call runs them whole
+    instead (``suspended``: a call without gradients whose length the tensor-parallel size does not divide, a
+    decoding step). A plain object with no process group, so that a model copies with its layers."""
+
+    dim = 1  # (batch, sequence, hidden)
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled, self.suspended = enabled, False
+
+    @property
+    def active(self) -> bool:
+        """Activations are split along the sequence in this call."""
+        return self.enabled and not self.suspended
+
+
 class ParallelContext:
     """Sizes, ranks and process groups for tensor, pipeline and data parallelism.
 
@@ -201,6 +219,9 @@ class ParallelContext:
             group the context creates uses it, and so does ``init_process_group`` when the context
             initializes ``torch.distributed``. A rank that never joins a collective (say, a save called
             on rank 0 only) then fails in that time with an error instead of waiting.
+        sequence_parallel: Split the activations between the tensor-parallel regions of each block along the
+            sequence across the tensor-parallel ranks (Megatron's sequence parallelism; no effect at
+            ``tensor_parallel_size=1``). The models built on this context follow it.
     """
 
     def __init__(
@@ -210,7 +231,10 @@ class ParallelContext:
         seed: int | None = None,
         backend: str | None = None,
         timeout: timedelta | float | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}.")
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(timeout)
         pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
@@ -286,6 +310,13 @@ class ParallelContext:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
         self.seed = seed
         self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device)
+        self.sequence = SequenceSharding(sequence_parallel and tp > 1)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the models of this context split their activations along the sequence (see
+        :class:`SequenceSharding`)."""
+        return self.sequence.enabled
 
     @classmethod
     def planning(cls) -> ParallelContext:
@@ -305,6 +336,7 @@ class ParallelContext:
         context._stage_groups = {}
         context.seed = 0
         context.rng = ParallelRNG(0, 0, context.device)
+        context.sequence = SequenceSharding()
         return context
 
     def global_rank(self, data_parallel_rank: int, pipeline_parallel_rank: int, tensor_parallel_rank: int) -> int:

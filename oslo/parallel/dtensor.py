@@ -49,6 +49,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.mappings import copy_to_tensor_parallel
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 
 __all__ = [
@@ -404,9 +405,13 @@ def local(param: torch.Tensor, spec: ShardSpec | None = None) -> torch.Tensor:
 def _swap_in(module: nn.Module, args) -> None:
     swapped = []
     specs = getattr(module, "parallel_specs", {})
+    # Replicated parameters applied to sequence shards (oslo.parallel.sequence): each rank's gradient is its
+    # shard's part, summed over the tensor-parallel group on the way back.
+    summed, group = module.__dict__.get("_oslo_sequence_summed", ((), None))
     for name, param in module._parameters.items():
         if isinstance(param, DTensor):
-            module._parameters[name] = local(param, specs.get(name))
+            value = local(param, specs.get(name))
+            module._parameters[name] = copy_to_tensor_parallel(value, group) if name in summed else value
             swapped.append((name, param))
     module.__dict__.setdefault("_oslo_swapped", []).append(swapped)
 

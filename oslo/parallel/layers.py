@@ -19,8 +19,10 @@ from oslo.parallel.loss import causal_lm_loss, linear_cross_entropy
 from oslo.parallel.mappings import (
     all_reduce,
     gather_from_tensor_parallel,
+    gather_sequence,
     group_size,
     reduce_from_tensor_parallel,
+    reduce_scatter_sequence,
     scatter_to_tensor_parallel,
 )
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
@@ -138,7 +140,8 @@ class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split across tensor-parallel ranks.
 
     Forward: identity on the input (its gradient is all-reduced), local matmul, and an all-gather of
-    the output only when ``gather_output=True``.
+    the output only when ``gather_output=True``. Under sequence parallelism the input arrives as sequence
+    shards: it is all-gathered (its gradient reduce-scattered) instead.
 
     Args:
         in_features: Input size (full on every rank).
@@ -168,6 +171,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group, world, rank = _tensor_parallel(parallel_context)
+        self.sequence = None  # a block's layer under sequence parallelism: see oslo.parallel.sequence
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.transposed = gather_output, transposed
         kind = VOCAB if pad_vocab else COLUMN
@@ -190,6 +194,8 @@ class ColumnParallelLinear(nn.Module):
         q, k, v projections), so its gradient is all-reduced once, not once per layer."""
         bias = None if skip_bias_add else self.bias
         reduce_input_grad = not input_is_copied and group_size(self.group) > 1
+        if reduce_input_grad and self.sequence is not None and self.sequence.active:
+            x, reduce_input_grad = gather_sequence(x, self.group, self.sequence.dim), False
         if torch.is_grad_enabled() and (reduce_input_grad or gradient_sink(self.weight) is not None):
             out = _ColumnParallelLinear.apply(x, self.weight, bias, self.transposed, self.group, reduce_input_grad)
         else:
@@ -212,7 +218,9 @@ class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split across tensor-parallel ranks.
 
     Forward: local matmul on this rank's input slice, all-reduce (sum) of the partial outputs, then
-    the bias (replicated) is added once.
+    the bias (replicated) is added once. Under sequence parallelism the partial outputs are reduce-scattered
+    into sequence shards instead (the bias's gradient is then summed over the ranks: see
+    :func:`~oslo.parallel.sequence.shard_sequences`).
 
     Args:
         in_features: Global input size.
@@ -238,6 +246,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group, world, rank = _tensor_parallel(parallel_context)
+        self.sequence = None  # a block's layer under sequence parallelism: see oslo.parallel.sequence
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.transposed = input_is_parallel, transposed
         self.single_rank = world == 1
@@ -260,7 +269,11 @@ class RowParallelLinear(nn.Module):
             return _linear(x, self.weight, bias, self.transposed)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group, dim=-1)
-        out = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.transposed), self.group)
+        out = _linear(x, self.weight, None, self.transposed)
+        if self.sequence is not None and self.sequence.active:
+            out = reduce_scatter_sequence(out, self.group, self.sequence.dim)
+        else:
+            out = reduce_from_tensor_parallel(out, self.group)
         return out + bias if bias is not None else out
 
     def extra_repr(self) -> str:

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from oslo.parallel.collectives import eager_all_gather, eager_all_reduce
+from oslo.parallel.collectives import eager_all_gather, eager_all_reduce, eager_reduce_scatter
 
-__all__ = ["Hook", "all_gather", "all_reduce", "call", "eager", "hook", "register", "run"]
+__all__ = ["Hook", "all_gather", "all_reduce", "call", "eager", "hook", "reduce_scatter", "register", "run"]
 
 _objects: dict[int, weakref.ref] = {}
 _keys = itertools.count(1)
@@ -81,6 +81,17 @@ def _(tensor, group_name, dim, what):
     return torch.cat(parts, dim=dim)
 
 
+@torch.library.custom_op("oslo::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(tensor: torch.Tensor, group_name: str, dim: int, what: str) -> torch.Tensor:
+    return eager_reduce_scatter(tensor, _group(group_name), dim, what).contiguous()
+
+
+@_reduce_scatter_op.register_fake
+def _(tensor, group_name, dim, what):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format).chunk(
+        dist.get_world_size(_group(group_name)), dim=dim)[0].contiguous()
+
+
 def all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
     """:func:`oslo.parallel.mappings.all_reduce` as a traced operator: a new tensor."""
     return _all_reduce_op(tensor, group.group_name, op, what)
@@ -89,6 +100,11 @@ def all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch
 def all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
     """:func:`oslo.parallel.mappings.all_gather` as a traced operator."""
     return _all_gather_op(tensor, group.group_name, dim, what)
+
+
+def reduce_scatter(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
+    """:func:`oslo.parallel.mappings.reduce_scatter` as a traced operator."""
+    return _reduce_scatter_op(tensor, group.group_name, dim, what)
 
 
 # ---- calls into eager code: the input agreement, the overflow agreement -------------------------------------

@@ -9,23 +9,9 @@ from tests.distributed import run_distributed
 from tests.models import zoo
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    saved: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in saved:
-            root = str(tmp_path_factory.mktemp(f"zoo-{arch}"))
-            zoo.save_checkpoints(root, arch)
-            saved[arch] = root
-        return saved[arch]
-
-    return get
-
-
 @pytest.mark.parametrize("arch, tp, pp", zoo.layouts(), ids=lambda v: str(v))
-def test_zoo(checkpoints, tmp_path, arch, tp, pp):
-    results = run_distributed(zoo.run_layout, tp * pp, arch, tp, pp, checkpoints(arch), str(tmp_path), timeout=240)
+def test_zoo(zoo_checkpoints, tmp_path, arch, tp, pp):
+    results = run_distributed(zoo.run_layout, tp * pp, arch, tp, pp, zoo_checkpoints(arch), str(tmp_path), timeout=240)
     expected = {case.key for case in zoo.cases_of(arch) if case.runs_at(tp, pp)}
     assert set(results[0]) == expected
     assert all(result == results[0] for result in results)
@@ -39,12 +25,12 @@ def test_two_all_reduces_per_block_each_way(arch):
 
 @pytest.mark.parametrize("arch", [a for a in sorted({c.arch for c in zoo.all_cases()}) if a != "gpt2"])
 @pytest.mark.parametrize("tp, pp, wrap", [(1, 2, False), (2, 1, True)], ids=["tp1-pp2-dp2", "tp2-pp1-dp2-ddp"])
-def test_training_equals_one_process(checkpoints, arch, tp, pp, wrap):
+def test_training_equals_one_process(zoo_checkpoints, arch, tp, pp, wrap):
     """The anchor class trained by the manual's loop at (tp, pp, dp=2) gets, after one SGD step, the weights
     transformers gets from one step on the whole batch (GPT2's every head and more layouts:
     tests/models/test_gpt2_training.py)."""
     case = next(c for c in zoo.cases_of(arch) if c.anchor)
-    path = f"{checkpoints(arch)}/{case.key}"
+    path = f"{zoo_checkpoints(arch)}/{case.key}"
     results = run_distributed(zoo.run_training, tp * pp * 2, arch, case.name, path, tp, pp, wrap)
     expected = zoo.reference_training_step(case, path)
     for params in results:

@@ -161,10 +161,12 @@ def compare_grads(model, reference, name: str) -> list[str]:
     return sorted(ours)
 
 
-def check_parity(case: Case, path: str, tp: int, pp: int) -> list[str]:
+def check_parity(case: Case, path: str, tp: int, pp: int, **options) -> list[str]:
+    """Outputs, losses and gradients of ``case`` at (tp, pp) against transformers (``options``: more build options
+    of ``from_pretrained_with_parallel``)."""
     reference = getattr(transformers, case.name).from_pretrained(path)
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE)
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE, **options)
     batch = case.batch()
     expected = reference(**batch, output_hidden_states=True)
     if pp == 1:
@@ -198,10 +200,10 @@ def check_parity(case: Case, path: str, tp: int, pp: int) -> list[str]:
     return compare_grads(model, reference, case.name)
 
 
-def check_generate(case: Case, path: str, tp: int, pp: int, rank: int) -> None:
+def check_generate(case: Case, path: str, tp: int, pp: int, rank: int, **options) -> None:
     reference = getattr(transformers, case.name).from_pretrained(path)
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=1234)
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=1234, **options)
     batch = case.batch()
     pad = reference.config.pad_token_id if reference.config.pad_token_id is not None else 0
     common = dict(input_ids=batch["input_ids"][:3, :6], attention_mask=batch["attention_mask"][:3, :6],
@@ -319,14 +321,17 @@ def reference_training_step(case: Case, path: str) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters(remove_duplicate=False)}
 
 
-def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp: int, pp: int, wrap: bool):
+def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp: int, pp: int, wrap: bool,
+                 **options):
     """The manual's loop: the replica's rows of the global batch, the model (or its DDP wrapper) called on
-    them, each (micro-batch) loss backpropagated as it is, one SGD step; returns the full weights."""
+    them, each (micro-batch) loss backpropagated as it is, one SGD step; returns the full weights (``options``:
+    more build options of ``from_pretrained_with_parallel``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     case = next(c for c in cases_of(arch) if c.name == name)
     model = getattr(oslo, name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE).train()
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE,
+        **options).train()
     mpu = model.mpu
     model_ddp = model
     if wrap:

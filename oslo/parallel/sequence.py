@@ -1,0 +1,74 @@
+"""Sequence parallelism (Megatron, Korthikanti et al. 2022): between the tensor-parallel regions of a block (its
+norms, dropout and residual adds) the activations are split along the sequence across the tensor-parallel ranks
+instead of repeated on each, so their memory is divided by the tensor-parallel size for the same bytes on the
+wire: a block's column-parallel layers all-gather the shards (reduce-scatter of the gradient) where they copied
+the input (all-reduce of the gradient), its row-parallel layers reduce-scatter their partial sums where they
+all-reduced them.
+
+:func:`shard_sequences` switches a built model's layers to it (``sequence_parallel=True`` of
+``from_pretrained_with_parallel`` / ``from_config_with_parallel``). The body splits its embeddings' output
+along the sequence and gathers its final norm's output, so heads and losses see whole sequences; a replicated
+parameter applied to shards (a norm's, a row-parallel layer's bias) gets its gradient summed over the
+tensor-parallel group, Megatron's rule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from oslo.parallel.pipeline import StageLayers
+
+__all__ = ["check_sequence_length", "shard_sequences"]
+
+
+def shard_sequences(model: nn.Module, body: nn.Module, norm: nn.Module | None) -> None:
+    """Switch ``model`` (its ``body``'s layers and final ``norm``, on this pipeline stage) to sequence
+    parallelism, following its context's :class:`~oslo.parallel.context.SequenceSharding`: every module of the
+    layers that has a ``sequence`` attribute (the parallel linear layers, attentions and MLPs reading one input
+    in several projections) gets the state, and every replicated parameter of the layers and the norm has its
+    gradient summed over the tensor-parallel group."""
+    context = model.parallel_context
+    if not context.sequence.enabled:
+        return
+    group = context.tensor_parallel_group
+    regions = [layers for layers in body.modules() if isinstance(layers, StageLayers)]
+    if norm is not None:
+        regions.append(norm)
+    for region in regions:
+        for module in region.modules():
+            if hasattr(module, "sequence"):
+                module.sequence = context.sequence
+            if replicated := _applied_to_shards(module):
+                module.__dict__["_oslo_sequence_summed"] = (replicated, group)
+
+
+def _applied_to_shards(module: nn.Module) -> tuple[str, ...]:
+    """The replicated parameters of ``module`` that meet sequence shards: a row-parallel layer's bias (added after
+    the reduce-scatter) and a norm's parameters. A plain linear layer of a block (replicated key/value heads) reads
+    the gathered input, a column-parallel one its own columns."""
+    if isinstance(module, RowParallelLinear):
+        return ("bias",) if module.bias is not None else ()
+    if isinstance(module, (ColumnParallelLinear, nn.Linear, nn.Embedding)):
+        return ()
+    specs = getattr(module, "parallel_specs", {})
+    return tuple(name for name, param in module.named_parameters(recurse=False)
+                 if param is not None and specs.get(name) is None)
+
+
+def check_sequence_length(context, length: int | None) -> None:
+    """Refuse a call with gradients whose sequences of ``length`` the tensor-parallel size does not divide, under
+    sequence parallelism (every rank, before any collective: the ranks of a model see the same length). A call
+    without gradients runs such sequences whole instead (a decoding step)."""
+    if length is None or not context.sequence.enabled or not torch.is_grad_enabled():
+        return
+    tp = context.tensor_parallel_size
+    if length % tp:
+        raise ValueError(
+            f"sequence_parallel=True splits every sequence across the {tp} tensor-parallel ranks: a call with "
+            f"gradients needs a length that {tp} divides, got {length}. Pad the batch to a multiple of {tp} (e.g. "
+            f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of={tp})), or build the model with "
+            "sequence_parallel=False."
+        )
+

@@ -1,0 +1,149 @@
+"""Sequence parallelism (``sequence_parallel=True``) against transformers, for every decoder-only architecture's
+anchor class: outputs, losses, gradients and pipeline micro-batch losses (tests/models/zoo.py's check), the
+weights after the manual's step, and generate(), at tp=2 and tp2 x pp2; the collectives of a block; and the
+calls it refuses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import oslo
+from tests.distributed import run_distributed
+from tests.helpers import save_reference
+from tests.models import zoo
+
+ARCHS = ["gpt2", "gpt_neo", "llama", "qwen2", "mistral"]
+# Replicated parameters of one block applied to sequence shards, whose gradients are summed over the
+# tensor-parallel group: the two norms' weights (and biases: LayerNorm), the row-parallel layers' biases.
+SUMMED_PER_BLOCK = {"gpt2": 6, "gpt_neo": 6, "llama": 2, "qwen2": 2, "mistral": 2}
+
+
+def _anchor(arch: str) -> zoo.Case:
+    return next(case for case in zoo.cases_of(arch) if case.anchor)
+
+
+def _shard_lengths(case: zoo.Case, path: str, tp: int, pp: int) -> set[int]:
+    """The sequence lengths the layers of this stage receive in a training call (10 tokens a row)."""
+    from oslo.parallel.pipeline import StageLayers
+
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=zoo.MICRO_BATCH_SIZE,
+        sequence_parallel=True).train()
+    lengths = set()
+    for layer in next(m for m in model.modules() if isinstance(m, StageLayers)):
+        layer.register_forward_pre_hook(lambda module, args: lengths.add(args[0].shape[1]))
+    batch = case.batch()
+    if pp == 1:
+        case.loss(model(**batch)).backward()
+    else:
+        for micro_output in model(**batch):
+            micro_output.loss.backward()
+    return lengths
+
+
+def _check(rank, world_size, arch, path, tp, pp):
+    case = _anchor(arch)
+    assert _shard_lengths(case, path, tp, pp) == {case.batch()["input_ids"].shape[1] // tp}
+    zoo.check_parity(case, path, tp, pp, sequence_parallel=True)
+    zoo.check_generate(case, path, tp, pp, rank, sequence_parallel=True)  # decoding steps (length 1) run whole
+    return zoo.run_training(rank, world_size, arch, case.name, path, tp, pp, False, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2-pp2"])
+def test_sequence_parallel_equals_one_process(zoo_checkpoints, arch, tp, pp):
+    case = _anchor(arch)
+    path = os.path.join(zoo_checkpoints(arch), case.key)
+    results = run_distributed(_check, tp * pp, arch, path, tp, pp, timeout=240)
+    expected = zoo.reference_training_step(case, path)
+    for params in results:
+        assert set(params) <= set(expected), sorted(set(params) - set(expected))
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
+
+
+class CountCollectives:
+    """Counts the all-reduces, all-gathers and reduce-scatters torch.distributed runs while entered."""
+
+    NAMES = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+
+    def __enter__(self):
+        self.counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+        self.originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
+
+        def counting(name, original):
+            def call(*args, **kwargs):
+                self.counts[self.NAMES[name]] += 1
+                return original(*args, **kwargs)
+            return call
+
+        for name, original in self.originals.items():
+            setattr(dist, name, counting(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def _block_collectives(rank, world_size, arch):
+    from oslo.parallel.pipeline import StageLayers
+
+    case = _anchor(arch)
+    model = getattr(oslo, case.name).from_config_with_parallel(
+        case.config(), tensor_parallel_size=world_size, seed=0, sequence_parallel=True)
+    block = next(iter(next(m for m in model.modules() if isinstance(m, StageLayers))))
+    shard = torch.randn(2, 4, model.config.hidden_size, generator=torch.Generator().manual_seed(3 + rank))
+    shard.requires_grad_()
+    extra = {}
+    if arch in ("llama", "qwen2", "mistral"):  # rotary: the body computes them for the whole sequence
+        extra["position_embeddings"] = model.base_model.rotary_emb(shard, torch.arange(4 * world_size)[None])
+    with CountCollectives() as forward:
+        out = block(shard, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == shard.shape
+    with CountCollectives() as backward:
+        out.square().sum().backward()
+    return forward.counts, backward.counts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_block_gathers_and_reduce_scatters(arch):
+    """Megatron's sequence parallelism: per block, 2 all-gathers and 2 reduce-scatters each way where tensor
+    parallelism has 2 all-reduces each way; the backward also sums the gradients of the replicated parameters
+    the shards met (norms, row-parallel biases) over the group."""
+    results = run_distributed(_block_collectives, 2, arch)
+    expected_backward = {"all_reduce": SUMMED_PER_BLOCK[arch], "all_gather": 2, "reduce_scatter": 2}
+    assert results == [({"all_reduce": 0, "all_gather": 2, "reduce_scatter": 2}, expected_backward)] * 2, results
+
+
+def _refusals(rank, world_size, path):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, sequence_parallel=True)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="a call with gradients needs a length that 2 divides, got 7"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # without gradients an odd length runs whole
+        reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    with pytest.raises(NotImplementedError, match="fuse"):
+        model.fuse()
+    return True
+
+
+def test_odd_lengths_and_fuse_are_refused_on_every_rank(tmp_path):
+    save_reference(transformers.GPT2LMHeadModel, zoo.cases_of("gpt2")[0].config(), tmp_path)
+    assert run_distributed(_refusals, 2, str(tmp_path)) == [True, True]
+
+
+def test_classes_without_it_are_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="BertModel does not support sequence_parallel=True"):
+        oslo.BertModel.from_config_with_parallel(
+            next(case for case in zoo.cases_of("bert")).config(), sequence_parallel=True)
+    with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
+        oslo.GPT2LMHeadModel.from_config_with_parallel(zoo.cases_of("gpt2")[0].config(), sequence_parallel="yes")
