@@ -322,16 +322,18 @@ def reference_training_step(case: Case, path: str) -> dict[str, torch.Tensor]:
 
 
 def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp: int, pp: int, wrap: bool,
-                 **options):
+                 checkpointing: bool = False, **options):
     """The manual's loop: the replica's rows of the global batch, the model (or its DDP wrapper) called on
     them, each (micro-batch) loss backpropagated as it is, one SGD step; returns the full weights (``options``:
-    more build options of ``from_pretrained_with_parallel``)."""
+    more build options of ``from_pretrained_with_parallel``; ``checkpointing``: activation checkpointing on)."""
     from torch.nn.parallel import DistributedDataParallel
 
     case = next(c for c in cases_of(arch) if c.name == name)
     model = getattr(oslo, name).from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE,
         **options).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     mpu = model.mpu
     model_ddp = model
     if wrap:

@@ -67,6 +67,20 @@ def test_sequence_parallel_equals_one_process(zoo_checkpoints, arch, tp, pp):
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_with_data_parallelism_and_activation_checkpointing(zoo_checkpoints, arch):
+    """tp=2 x dp=2 under DistributedDataParallel, blocks recomputed in the backward (still on shards): the
+    weights after the manual's step are one process's."""
+    case = _anchor(arch)
+    path = os.path.join(zoo_checkpoints(arch), case.key)
+    results = run_distributed(zoo.run_training, 4, arch, case.name, path, 2, 1, True, True, sequence_parallel=True,
+                              timeout=240)
+    expected = zoo.reference_training_step(case, path)
+    for params in results:
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
+
+
 class CountCollectives:
     """Counts the all-reduces, all-gathers and reduce-scatters torch.distributed runs while entered."""
 
