@@ -37,7 +37,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
 from oslo.parallel.context import SequenceSharding
 from oslo.parallel.mappings import gather_from_tensor_parallel, scatter_to_tensor_parallel
-from oslo.parallel.sequence import check_sequence_length
+from oslo.parallel.sequence import splits_sequences
 
 __all__ = ["BodyState", "DecoderBody", "LearnedPositions", "StagedBody", "stand_in_embeds"]
 
@@ -207,11 +207,8 @@ class DecoderBody(StagedBody):
                            position_ids=position_ids)
         masks = {kind: (create_sliding_window_causal_mask if kind == SLIDING_ATTENTION else create_causal_mask)(
             **mask_inputs) for kind in set(self.layer_types or (FULL_ATTENTION,))}
-        check_sequence_length(self.parallel_context, embeds.shape[1])
-        sequence = self.parallel_context.sequence
-        sharded = sequence.enabled and embeds.shape[1] % self.parallel_context.tensor_parallel_size == 0
         return BodyState(
-            sequence_sharded=sharded,
+            sequence_sharded=splits_sequences(self.parallel_context, embeds.shape[1]),
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
             input_shape=input_shape, position_ids=position_ids, masks=masks, cache=cache, use_cache=use_cache,
             output_attentions=output_attentions, kwargs=kwargs,

@@ -28,7 +28,7 @@ from oslo.parallel.pipeline import (
     pipeline_schedule,
     split_micro_batches,
 )
-from oslo.parallel.sequence import check_sequence_length
+from oslo.parallel.sequence import splits_sequences
 
 if TYPE_CHECKING:
     from oslo.models.base import OsloPreTrainedModel
@@ -137,8 +137,8 @@ def forward_with_head(
     batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
     has_loss_inputs = any(value is not None for value in head_inputs.values())
     ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
-    check_sequence_length(context, ids.shape[-1] if ids is not None else
-                          embeds.shape[-2] if embeds is not None else None)
+    splits_sequences(context, ids.shape[-1] if ids is not None else  # refuses a length it cannot split
+                     embeds.shape[-2] if embeds is not None else None)
 
     def with_body_fields(values: dict, outputs) -> dict:
         for name in fields:

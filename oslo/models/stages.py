@@ -84,15 +84,21 @@ def stage_ranges(model: nn.Module, pipeline_parallel_size: int) -> list[range]:
     ``range`` of global layer indices per stage, over its :class:`StageLayers` in construction order."""
     num_stages = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
     containers = _containers(model)
-    total = sum(container.num_layers for container in containers.values())
     if num_stages == 1:
-        return [range(total)]
-    costs, extra = [0.0] * total, {_BEFORE: 0.0, _AFTER: 0.0}
+        return [range(sum(container.num_layers for container in containers.values()))]
+    return _partition(model, containers, _places(model, containers), num_stages)
+
+
+def _partition(model: nn.Module, containers: dict[str, StageLayers], places: dict[str, int | str],
+               num_stages: int) -> list[range]:
+    """:func:`stage_ranges` at several stages, the parameters' ``places`` given."""
+    costs = [0.0] * sum(container.num_layers for container in containers.values())
+    extra = {_BEFORE: 0.0, _AFTER: 0.0}
     sizes = _checkpoint_sizes(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     family = {member: source for source, targets in ties.tie_families(model).items() for member in (source, *targets)}
     counted = set()  # (weight, place): a weight tied within a place is held there once, tied yet or not
-    for name, place in _places(model, containers).items():
+    for name, place in places.items():
         weight = family.get(name, id(params[name]))
         if (weight, place) in counted:
             continue
@@ -109,23 +115,29 @@ def assign_stage(model: nn.Module) -> None:
     layers as ``pipeline_stages`` on the modules that declare that attribute (the model and its bodies).
     Without pipelines nothing is pruned."""
     context = model.parallel_context
-    ranges = stage_ranges(model, context.pipeline_parallel_size)
-    for module in model.modules():
-        if hasattr(module, "pipeline_stages"):
-            module.pipeline_stages = ranges
-    if context.pipeline_parallel_size == 1:
-        return
-    stage = context.pipeline_parallel_rank
     containers = _containers(model)
+    if context.pipeline_parallel_size == 1:
+        _record(model, stage_ranges(model, 1))
+        return
+    places = _places(model, containers)
+    ranges = _partition(model, containers, places, context.pipeline_parallel_size)
+    _record(model, ranges)
+    stage = context.pipeline_parallel_rank
     stage_of = {layer: index for index, layers in enumerate(ranges) for layer in layers}
     last = len(ranges) - 1
     owners = {name: 0 if place == _BEFORE else last if place == _AFTER else stage_of[place]
-              for name, place in _places(model, containers).items()}
+              for name, place in places.items()}
     mine, offset = ranges[stage], 0
     for container in containers.values():
         container.keep(range(max(mine.start - offset, 0), max(min(mine.stop - offset, container.num_layers), 0)))
         offset += container.num_layers
     _prune(model, "", owners, stage)
+
+
+def _record(model: nn.Module, ranges: list[range]) -> None:
+    for module in model.modules():
+        if hasattr(module, "pipeline_stages"):
+            module.pipeline_stages = ranges
 
 
 def _prune(module: nn.Module, prefix: str, owners: dict[str, int], stage: int) -> None:

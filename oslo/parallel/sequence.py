@@ -20,7 +20,7 @@ from torch import nn
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.pipeline import StageLayers
 
-__all__ = ["check_sequence_length", "shard_sequences"]
+__all__ = ["shard_sequences", "splits_sequences"]
 
 
 def shard_sequences(model: nn.Module, body: nn.Module, norm: nn.Module | None) -> None:
@@ -57,18 +57,20 @@ def _applied_to_shards(module: nn.Module) -> tuple[str, ...]:
                  if param is not None and specs.get(name) is None)
 
 
-def check_sequence_length(context, length: int | None) -> None:
-    """Refuse a call with gradients whose sequences of ``length`` the tensor-parallel size does not divide, under
-    sequence parallelism (every rank, before any collective: the ranks of a model see the same length). A call
-    without gradients runs such sequences whole instead (a decoding step)."""
-    if length is None or not context.sequence.enabled or not torch.is_grad_enabled():
-        return
+def splits_sequences(context, length: int | None) -> bool:
+    """Whether a call on sequences of ``length`` splits them under the context's sequence parallelism: when it is
+    on and the tensor-parallel size divides the length. A call with gradients and another length is refused
+    (every rank, before any collective: the ranks of a model see the same length); one without gradients runs
+    such sequences whole (a decoding step)."""
+    if length is None or not context.sequence.enabled:
+        return False
     tp = context.tensor_parallel_size
-    if length % tp:
+    if length % tp and torch.is_grad_enabled():
         raise ValueError(
             f"sequence_parallel=True splits every sequence across the {tp} tensor-parallel ranks: a call with "
             f"gradients needs a length that {tp} divides, got {length}. Pad the batch to a multiple of {tp} (e.g. "
             f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of={tp})), or build the model with "
             "sequence_parallel=False."
         )
+    return length % tp == 0
 
