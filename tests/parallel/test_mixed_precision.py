@@ -77,8 +77,11 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(lm_checkpoint, tp,
             assert torch.equal(value, before[name]), f"{name} changed in a skipped step"
         for name, value in after.items():
             source = "transformer.wte.weight" if name == "lm_head.weight" else name
-            # float16 matmuls: torch's float16 tolerances (rtol 1e-3, atol 1e-5), on weights after lr 0.5.
-            torch.testing.assert_close(value, expected[source], rtol=1e-3, atol=1e-4, msg=name)
+            # float16 matmuls and sums: a gradient of order 1 is good to float16's 2^-11 (4.9e-4) per rounding, and
+            # lr 0.5 carries that into the weight; sums in another order differ by a few roundings (1.2e-4 seen on
+            # a bias of 32 summed over 80 tokens, on an AMD EPYC). rtol 1e-3 as torch's float16 default.
+            torch.testing.assert_close(value, expected[source], rtol=1e-3, atol=5e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
     for stage in range(pp):  # replicated weights stay bit-identical across tensor-parallel ranks
         ranks = results[stage * tp : (stage + 1) * tp]
         for name, value in ranks[0][4].items():
