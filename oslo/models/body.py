@@ -30,13 +30,15 @@ writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
 from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
 from oslo.parallel.context import SequenceSharding
-from oslo.parallel.mappings import gather_from_tensor_parallel, scatter_to_tensor_parallel
+from oslo.parallel.mappings import gather_from_tensor_parallel, keep_sequence_shards, scatter_to_tensor_parallel
 from oslo.parallel.sequence import splits_sequences
 
 __all__ = ["BodyState", "DecoderBody", "LearnedPositions", "StagedBody", "stand_in_embeds"]
@@ -223,20 +225,27 @@ class DecoderBody(StagedBody):
         if sequence.enabled:  # the layers run whole in this call when it is not split (see SequenceSharding)
             sequence.suspended = not state.sequence_sharded
         try:
-            for layer in getattr(self, self.layers_attribute):
-                if state.hidden_states is not None:
-                    state.hidden_states += (self._whole(hidden_states, state),)
-                kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
-                hidden_states, attn_weights = layer(
-                    hidden_states, attention_mask=state.masks[kind], cache=state.cache,
-                    output_attentions=state.output_attentions, **inputs,
-                )
-                if state.attentions is not None:
-                    state.attentions += (attn_weights,)
+            # the layers' gathered inputs are kept as shards for the backward, and gathered again there
+            keeping = keep_sequence_shards() if state.sequence_sharded else contextlib.nullcontext()
+            with keeping:
+                hidden_states = self._run(hidden_states, state, inputs)
         finally:
             if sequence.enabled:
                 sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
         return {"hidden_states": hidden_states}
+
+    def _run(self, hidden_states: torch.Tensor, state: BodyState, inputs: dict) -> torch.Tensor:
+        for layer in getattr(self, self.layers_attribute):
+            if state.hidden_states is not None:
+                state.hidden_states += (self._whole(hidden_states, state),)
+            kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
+            hidden_states, attn_weights = layer(
+                hidden_states, attention_mask=state.masks[kind], cache=state.cache,
+                output_attentions=state.output_attentions, **inputs,
+            )
+            if state.attentions is not None:
+                state.attentions += (attn_weights,)
+        return hidden_states
 
     def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> ModelOutput:
         hidden_states = self._whole(getattr(self, self.norm_attribute)(payload["hidden_states"]), state)

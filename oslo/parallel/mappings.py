@@ -7,6 +7,10 @@ identity when the group has a single rank (or is ``None``: no distributed run).
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 from oslo.parallel import traced
@@ -105,7 +109,10 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group, dim):
         ctx.group, ctx.dim = group, dim
-        return all_gather(tensor, group, dim, "gathering the sequence shards over the tensor-parallel group")
+        whole = all_gather(tensor, group, dim, "gathering the sequence shards over the tensor-parallel group")
+        if _KEEPERS and not torch.compiler.is_compiling():
+            _KEEPERS[-1].note(tensor, whole, group, dim)
+        return whole
 
     @staticmethod
     def backward(ctx, grad):
@@ -124,6 +131,80 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+class _Kept:
+    """What the backward keeps of a tensor gathered from sequence shards: this rank's shard, gathered again when
+    the backward first unpacks the tensor and shared by the layers that saved it (``uses`` of them left)."""
+
+    __slots__ = ("shard", "version", "group", "dim", "uses", "whole")
+
+    def __init__(self, shard: torch.Tensor, group, dim: int) -> None:
+        self.shard, self.version, self.group, self.dim = shard.detach(), shard._version, group, dim
+        self.uses, self.whole = 0, None
+
+
+class _ShardKeeper:
+    """Saved-tensor hooks under which autograd keeps the shard of every tensor :func:`gather_sequence` gathered,
+    not the whole tensor (see :func:`keep_sequence_shards`). The hooks in force when it was entered (a memory
+    probe's, say) still see every tensor saved: the shard in place of a gathered one."""
+
+    def __init__(self) -> None:
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) or None
+        self.gathered: dict[int, tuple[weakref.ref, _Kept]] = {}  # storage address: (the whole tensor, its shard)
+
+    def note(self, shard: torch.Tensor, whole: torch.Tensor, group, dim: int) -> None:
+        if whole.is_contiguous() and whole.storage_offset() == 0 and whole.device.type != "meta":
+            self.gathered[whole.untyped_storage().data_ptr()] = (weakref.ref(whole), _Kept(shard, group, dim))
+
+    def pack(self, tensor: torch.Tensor):
+        found = self.gathered.get(tensor.untyped_storage().data_ptr()) if tensor.device.type != "meta" else None
+        if found is None or found[0]() is None:  # not a gathered tensor (or its address reused since)
+            return None, self.outer[0](tensor) if self.outer else tensor
+        kept = found[1]
+        kept.uses += 1
+        inner = self.outer[0](kept.shard) if self.outer else kept.shard
+        return kept, inner, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+
+    def unpack(self, packed) -> torch.Tensor:
+        kept, inner = packed[0], packed[1]
+        value = self.outer[1](inner) if self.outer else inner
+        if kept is None:
+            return value
+        if value._version != kept.version:
+            raise RuntimeError(
+                "a sequence shard that the backward gathers again was modified in place after the forward used it; "
+                "under sequence_parallel=True the layers keep only the shard of their gathered input.")
+        if kept.whole is None:
+            kept.whole = all_gather(value, kept.group, kept.dim,
+                                    "gathering the sequence shards again for the backward").contiguous()
+        whole = kept.whole
+        kept.uses -= 1
+        if kept.uses <= 0:  # every layer that saved it has taken it
+            kept.whole = None
+        return whole.as_strided(packed[2], packed[3], packed[4])
+
+
+_KEEPERS: list[_ShardKeeper] = []
+
+
+@contextlib.contextmanager
+def keep_sequence_shards() -> Iterator[None]:
+    """Within it, a tensor gathered from sequence shards (:func:`gather_sequence`: a column-parallel layer's input
+    under sequence parallelism) is saved for the backward as this rank's shard and gathered again when the
+    backward needs it, as Megatron-LM does: the layers' saved inputs take ``1 / tensor_parallel_size`` of the
+    memory, for one more all-gather per gathered input in the backward. Nothing changes in a traced call, or
+    without gradients."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        yield
+        return
+    keeper = _ShardKeeper()
+    _KEEPERS.append(keeper)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keeper.pack, keeper.unpack):
+            yield
+    finally:
+        _KEEPERS.remove(keeper)
 
 
 def copy_to_tensor_parallel(tensor: torch.Tensor, group) -> torch.Tensor:

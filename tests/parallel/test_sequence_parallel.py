@@ -137,6 +137,53 @@ def test_a_block_gathers_and_reduce_scatters(arch):
     assert results == [({"all_reduce": 0, "all_gather": 2, "reduce_scatter": 2}, expected_backward)] * 2, results
 
 
+def _saved_in_blocks(rank, world_size, arch, sequence_parallel):
+    """Shapes of what autograd saves inside the blocks during a training call at tp=2 (every storage once), and the
+    all-gathers of its backward."""
+    from oslo.parallel.pipeline import StageLayers
+
+    case = _anchor(arch)
+    model = getattr(oslo, case.name).from_config_with_parallel(
+        case.config(), tensor_parallel_size=world_size, seed=0, sequence_parallel=sequence_parallel).train()
+    inside, seen, shapes = [False], set(), []
+    for block in next(m for m in model.modules() if isinstance(m, StageLayers)):
+        block.register_forward_pre_hook(lambda module, args: inside.__setitem__(0, True))
+        block.register_forward_hook(lambda module, args, out: inside.__setitem__(0, False))
+    params = {getattr(p, "_oslo_storage", p).untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if inside[0] and key not in seen and key not in params:
+            seen.add(key)
+            shapes.append(tuple(tensor.shape))
+        return tensor
+
+    batch = case.batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(**batch).loss
+    with CountCollectives() as backward:
+        loss.backward()
+    return shapes, backward.counts["all_gather"], batch["input_ids"].shape, model.config.hidden_size
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_blocks_keep_only_shards_of_their_gathered_inputs(arch):
+    """A column-parallel layer's input, gathered from the sequence shards, is kept for the backward as the shard
+    and gathered again there (Megatron's saving): nothing saved inside a block has the whole sequence at the model's
+    width, where the same call without sequence parallelism keeps such tensors (the norms' inputs, the layers'
+    inputs); the backward all-gathers twice per block more than the gradients need."""
+    layers = 4
+    whole = {}
+    for sequence_parallel in (False, True):
+        shapes, gathers, (rows, length), width = run_distributed(_saved_in_blocks, 2, arch, sequence_parallel)[0]
+        whole[sequence_parallel] = [shape for shape in shapes if shape == (rows, length, width)]
+        if sequence_parallel:
+            assert (rows, length // 2, width) in shapes  # the shards are what is kept
+            assert gathers >= 4 * layers  # per block: 2 gradients to gather, 2 inputs gathered again
+    assert len(whole[False]) >= 2 * layers, whole[False]
+    assert whole[True] == [], whole[True]
+
+
 def _refusals(rank, world_size, path):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, sequence_parallel=True)
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
