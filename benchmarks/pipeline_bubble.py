@@ -1,4 +1,4 @@
-"""The 1F1B pipeline bubble with balanced, simulated stage compute (gloo, CPU).
+"""The pipeline bubble of 1F1B and of interleaved 1F1B, with balanced, simulated stage compute (gloo, CPU).
 
 What runs: ``oslo.parallel.pipeline.pipeline_schedule`` itself, in ``p`` forked gloo ranks (one torch
 thread each), with a stage whose compute is simulated: its forward sleeps ``t_f`` (default 100 ms)
@@ -27,6 +27,16 @@ backward slots, of which each stage is busy ``m``: idle fraction ``(p - 1) / (m 
 stage. Target: the mean measured idle fraction within 10 % (relative) of that, for every ``p`` in
 {2, 4} and ``m`` in {4, 8, 16}.
 
+Interleaved 1F1B (``--chunks 2``: ``virtual_pipeline_size``): each stage holds ``v`` chunks, and its
+compute per micro-batch is split evenly over them (a chunk's forward sleeps ``t_f / v``, its backward
+``2 t_f / v``), so the stages' work is the same as with 1F1B and only the schedule differs. Its bubble
+is ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021); the same 10 % target. A stage then records
+``2 v m`` events per step, and runs ``v`` times as many transfers, each paying the fixed cost below.
+
+``--picture PATH`` draws the first timed step of each ``(v, m)`` at the largest ``p`` (one panel each:
+a row per stage, forwards and backwards as boxes labelled with the micro-batch, chunks told apart by
+shade), to compare 1F1B and the interleaved schedule by eye (needs matplotlib).
+
 What the theory leaves out: what the schedule itself costs per micro-batch on each stage, outside
 the forward and backward events: receiving (a blocking ``recv`` that must wake the process: 0.3 ms
 median here even when the data has already arrived, with tails of several ms), packing and sending
@@ -51,9 +61,10 @@ time goes the script also
 Busy-waiting (``--spin``) does not help on this machine: with as many spinning ranks as cores,
 gloo's own threads wait for a core and the latencies grow.
 
-Run: ``python benchmarks/pipeline_bubble.py`` (about 2.5 minutes; with ``--t-forward-ms 20`` about
-40 s); options: ``--stages 2 4``, ``--micro-batches 4 8 16``, ``--t-forward-ms 100``, ``--steps 3``,
-``--spin`` (busy-wait instead of sleeping; needs a core per rank).
+Run: ``python benchmarks/pipeline_bubble.py`` (about 5 minutes; with ``--t-forward-ms 20`` about
+1.5 minutes); options: ``--stages 2 4``, ``--micro-batches 4 8 16``, ``--chunks 1 2``,
+``--t-forward-ms 100``, ``--steps 3``, ``--spin`` (busy-wait instead of sleeping; needs a core per
+rank), ``--picture assets/pipeline_interleaved.png``.
 """
 
 from __future__ import annotations
@@ -67,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 import oslo
-from oslo.parallel.pipeline import StageLink, pipeline_schedule
+from oslo.parallel.pipeline import StageLink, interleaved_order, pipeline_schedule
 
 TOLERANCE = 0.10  # relative, on the mean idle fraction
 
@@ -150,16 +161,18 @@ def _probe_latency(context, t_forward: float, spin: bool, repeats: int = 12) -> 
     return out
 
 
-def _bubble_rank(rank: int, world_size: int, m: int, t_forward: float, steps: int, spin: bool) -> dict:
-    context = oslo.ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=world_size)
+def _bubble_rank(rank: int, world_size: int, m: int, t_forward: float, steps: int, spin: bool,
+                 chunks: int = 1) -> dict:
+    context = oslo.ParallelContext(tensor_parallel_size=1, pipeline_parallel_size=world_size,
+                                   virtual_pipeline_size=chunks)
     dist.barrier()
     probe = _probe_latency(context, t_forward, spin)
     weight = torch.ones(4, 8, requires_grad=True)  # something on every stage for the backward to reach
     inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
-    def stage_forward(i: int, received: dict | None) -> dict:
+    def stage_forward(i: int, received: dict | None, stage: int) -> dict:
         x = (inputs if received is None else received["hidden_states"]) * weight
-        return {"hidden_states": _SimulatedCompute.apply(x, t_forward, spin)}
+        return {"hidden_states": _SimulatedCompute.apply(x, t_forward / chunks, spin)}
 
     timelines = []
     for _ in range(steps + 1):  # the first is the warm-up
@@ -234,9 +247,45 @@ def simulate_1f1b(p: int, m: int, t_f: float, t_b: float, latency: dict[str, flo
     return 1.0 - m * (t_f + t_b) / span
 
 
-def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int) -> dict:
+def simulate_interleaved(p: int, v: int, m: int, t_f: float, t_b: float,
+                         latency: dict[str, float] | None = None) -> float:
+    """Idle fraction (mean over the stages) of :func:`oslo.parallel.pipeline.interleaved_order` with chunk times
+    ``t_f``/``t_b`` and the transfer latencies of :func:`_probe_latency`, simulated as :func:`simulate_1f1b` does:
+    an operation that receives starts at ``max(sent + on-time latency, stage free + late latency)``. Without
+    latencies and with ``p`` dividing ``m`` every stage is idle ``(p - 1) / (v m + p - 1)``."""
+    latency = latency or {}
+    orders = [interleaved_order(p, v, m, s) for s in range(p)]
+    last = p * v - 1
+    end: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * p, [0.0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                phase, chunk, i = orders[s][position[s]]
+                virtual = chunk * p + s
+                duration = t_f if phase == "forward" else t_b
+                if phase == "forward" and virtual == 0:
+                    start = free[s]
+                elif phase == "backward" and virtual == last:
+                    start = max(free[s], end[("forward", virtual, i)])
+                else:
+                    sender = (phase, virtual - 1 if phase == "forward" else virtual + 1, i)
+                    if sender not in end:
+                        break
+                    start = max(end[sender] + latency.get(f"{phase} on time", 0.0),
+                                free[s] + latency.get(f"{phase} late", 0.0))
+                end[(phase, virtual, i)] = free[s] = start + duration
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the simulated schedule deadlocked")
+    return 1.0 - v * m * (t_f + t_b) / max(free)
+
+
+def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int, chunks: int = 1) -> dict:
     """Idle fraction per stage and step, the spans, and the span's excess over the balanced ideal."""
-    steps = len(per_rank[0])
+    steps, slots = len(per_rank[0]), chunks * m + p - 1
     forwards = [e[3] - e[2] for stage in per_rank for step in stage for e in step if e[1] == "forward"]
     backwards = [e[3] - e[2] for stage in per_rank for step in stage for e in step if e[1] == "backward"]
     idle = [[0.0] * steps for _ in range(p)]
@@ -244,8 +293,8 @@ def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int) -> dict:
     for k in range(steps):
         events = [per_rank[s][k] for s in range(p)]
         for s in range(p):
-            if len(events[s]) != 2 * m:
-                raise RuntimeError(f"stage {s} recorded {len(events[s])} events, expected {2 * m}")
+            if len(events[s]) != 2 * m * chunks:
+                raise RuntimeError(f"stage {s} recorded {len(events[s])} events, expected {2 * m * chunks}")
         start = min(e[2] for stage in events for e in stage)
         end = max(e[3] for stage in events for e in stage)
         span = end - start
@@ -253,7 +302,7 @@ def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int) -> dict:
         for s in range(p):
             idle[s][k] = 1.0 - busy[s] / span
         spans.append(span)
-        excess.append(span - (m + p - 1) * (sum(busy) / p) / m)
+        excess.append(span - slots * (sum(busy) / p) / (chunks * m))
     return {
         "idle": [bench.median(values) for values in idle],
         "span": bench.median(spans),
@@ -263,54 +312,101 @@ def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int) -> dict:
     }
 
 
+def _draw(path: str, drawn: list[tuple[int, int, int, list[list[tuple]]]]) -> None:
+    """One panel per ``(p, v, m, timeline)``: a row per stage, forwards and backwards as boxes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(drawn), 1, figsize=(14, 1.0 + 1.1 * sum(d[0] for d in drawn)), squeeze=False)
+    colours = {"forward": ["#4c78a8", "#9ecae9"], "backward": ["#e45756", "#ff9d98"]}
+    for axis, (p, chunks, m, stages) in zip(axes[:, 0], drawn, strict=True):
+        start = min(event[2] for stage in stages for event in stage)
+        end = max(event[3] for stage in stages for event in stage)
+        for s, events in enumerate(stages):
+            for micro_batch, phase, begin, finish, *rest in events:
+                chunk = rest[0] if rest else 0
+                axis.barh(s, (finish - begin) * 1e3, left=(begin - start) * 1e3, height=0.8,
+                          color=colours[phase][chunk % 2], edgecolor="black", linewidth=0.3)
+                axis.text((begin + finish - 2 * start) / 2 * 1e3, s, str(micro_batch), ha="center", va="center",
+                          fontsize=6)
+        busy = [sum(e[3] - e[2] for e in stage) for stage in stages]
+        idle = sum(1 - b / (end - start) for b in busy) / p
+        name = "1F1B" if chunks == 1 else f"interleaved 1F1B, v={chunks}"
+        axis.set_title(f"{name}: p={p}, m={m}; idle {idle:.3f} (theory {(p - 1) / (chunks * m + p - 1):.3f})",
+                       fontsize=9)
+        axis.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+        axis.invert_yaxis()
+        axis.set_xlabel("ms from the step's first event")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"\ntimelines drawn to {path} (dark: chunk 0, light: chunk 1; blue forward, red backward)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2], help="virtual_pipeline_size values")
     parser.add_argument("--t-forward-ms", type=float, default=100.0, help="simulated forward per stage")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median)")
     parser.add_argument("--spin", action="store_true", help="busy-wait instead of sleeping")
+    parser.add_argument("--picture", default=None, help="draw the timelines at the largest p to this PNG")
     args = parser.parse_args(argv)
     t_forward = args.t_forward_ms / 1000
-    bench.header("1F1B pipeline bubble, balanced simulated stages (gloo, CPU)")
-    print(f"   forward {args.t_forward_ms:g} ms, backward {2 * args.t_forward_ms:g} ms per stage "
-          f"({'busy-wait' if args.spin else 'sleep'}), 4 x 8 float32 between stages, 1 warm-up + "
-          f"median of {args.steps} steps; idle = 1 - busy / common step span; target: mean within "
-          f"{TOLERANCE:.0%} of (p-1)/(m+p-1)")
+    bench.header("1F1B and interleaved 1F1B pipeline bubble, balanced simulated stages (gloo, CPU)")
+    print(f"   forward {args.t_forward_ms:g} ms, backward {2 * args.t_forward_ms:g} ms per stage and micro-batch "
+          f"(split evenly over a stage's v chunks; {'busy-wait' if args.spin else 'sleep'}), 4 x 8 float32 between "
+          f"stages, 1 warm-up + median of {args.steps} steps; idle = 1 - busy / common step span; target: mean "
+          f"within {TOLERANCE:.0%} of (p-1)/(v m+p-1)")
     ok = True
-    rows = []
+    rows, drawn = [], []
     for p in args.stages:
         for m in args.micro_batches:
-            results = bench.launch(_bubble_rank, p, m, t_forward, args.steps, args.spin)
-            result = _analyse([r["timelines"] for r in results], p, m)
-            latency = _latency(results)
-            theory = (p - 1) / (m + p - 1)
-            mean = sum(result["idle"]) / p
-            ratio = mean / theory
-            passed = abs(ratio - 1) <= TOLERANCE
-            ok &= passed
-            with_latency = simulate_1f1b(p, m, result["t_f"], result["t_b"], latency)
-            rows.append((p, m, mean, theory, ratio, passed, with_latency))
-            ideal_span = (m + p - 1) * 3 * t_forward
-            print(f"\np={p} m={m}: span {result['span'] * 1e3:.1f} ms (nominal (m+p-1) x 3 t_f = "
-                  f"{ideal_span * 1e3:.0f} ms); excess over (m+p-1) x measured busy per micro-batch: "
-                  f"{result['excess'] * 1e3:.2f} ms = {result['excess'] / m * 1e3:.2f} ms per micro-batch")
-            print(f"    measured event times (median): forward {result['t_f'] * 1e3:.2f} ms, backward "
-                  f"{result['t_b'] * 1e3:.2f} ms")
-            print("    transfer latency stage 0 <-> 1 (probe, mean of 12): "
-                  + ", ".join(f"{case} {value * 1e3:.2f} ms" for case, value in latency.items()))
-            print("    stage  idle fraction")
-            for s, value in enumerate(result["idle"]):
-                print(f"    {s:>5}  {value:.4f}")
-            print(f"    mean   {mean:.4f}   theory {theory:.4f}   measured / theory {ratio:.3f} "
-                  f"{bench.verdict(passed)}")
-            print(f"    1F1B simulated with the measured event times and latencies: {with_latency:.4f} "
-                  f"(measured / that {mean / with_latency:.3f})")
-    print("\nsummary (idle fraction; the verdict compares with the theory)")
-    print("    p   m   measured (mean)   theory   measured/theory   simulated with latency   measured/simulated")
-    for p, m, mean, theory, ratio, passed, with_latency in rows:
-        print(f"   {p:>2} {m:>3}   {mean:>15.4f}   {theory:.4f}   {ratio:>10.3f} {bench.verdict(passed)}   "
+            for chunks in args.chunks:
+                results = bench.launch(_bubble_rank, p, m, t_forward, args.steps, args.spin, chunks)
+                result = _analyse([r["timelines"] for r in results], p, m, chunks)
+                if args.picture and p == max(args.stages):
+                    drawn.append((p, chunks, m, [r["timelines"][0] for r in results]))
+                latency = _latency(results)
+                theory = (p - 1) / (chunks * m + p - 1)
+                mean = sum(result["idle"]) / p
+                ratio = mean / theory
+                passed = abs(ratio - 1) <= TOLERANCE
+                ok &= passed
+                with_latency = simulate_1f1b(p, m, result["t_f"], result["t_b"], latency) if chunks == 1 else \
+                    simulate_interleaved(p, chunks, m, result["t_f"], result["t_b"], latency)
+                rows.append((p, m, chunks, mean, theory, ratio, passed, with_latency))
+                ideal_span = (chunks * m + p - 1) * 3 * t_forward / chunks
+                print(f"\np={p} m={m} v={chunks}: span {result['span'] * 1e3:.1f} ms (nominal (v m+p-1) x 3 t_f / v = "
+                      f"{ideal_span * 1e3:.0f} ms); excess over (v m+p-1) x measured busy per chunk and micro-batch: "
+                      f"{result['excess'] * 1e3:.2f} ms = {result['excess'] / m * 1e3:.2f} ms per micro-batch")
+                print(f"    measured event times (median): forward {result['t_f'] * 1e3:.2f} ms, backward "
+                      f"{result['t_b'] * 1e3:.2f} ms")
+                print("    transfer latency stage 0 <-> 1 (probe, mean of 12): "
+                      + ", ".join(f"{case} {value * 1e3:.2f} ms" for case, value in latency.items()))
+                print("    stage  idle fraction")
+                for s, value in enumerate(result["idle"]):
+                    print(f"    {s:>5}  {value:.4f}")
+                print(f"    mean   {mean:.4f}   theory {theory:.4f}   measured / theory {ratio:.3f} "
+                      f"{bench.verdict(passed)}")
+                print(f"    the schedule simulated with the measured event times and latencies: {with_latency:.4f} "
+                      f"(measured / that {mean / with_latency:.3f})")
+    print("\nsummary (idle fraction; the verdict compares with the theory, (p-1)/(v m+p-1))")
+    print("    p   m   v   measured (mean)   theory   measured/theory   simulated with latency   measured/simulated")
+    for p, m, chunks, mean, theory, ratio, passed, with_latency in rows:
+        print(f"   {p:>2} {m:>3} {chunks:>3}   {mean:>15.4f}   {theory:.4f}   {ratio:>10.3f} {bench.verdict(passed)}   "
               f"{with_latency:>22.4f}   {mean / with_latency:>18.3f}")
+    for p in args.stages:
+        for m in args.micro_batches:
+            base = next((r for r in rows if r[:3] == (p, m, 1)), None)
+            for row in rows:
+                if base is not None and row[:2] == (p, m) and row[2] > 1:
+                    print(f"    p={p} m={m}: interleaved v={row[2]} idle {row[3]:.4f} vs 1F1B {base[3]:.4f} "
+                          f"({row[3] / base[3]:.2f}x)")
+    if drawn:
+        _draw(args.picture, drawn)
     print(f"\noverall: {bench.verdict(ok)}")
     return 0 if ok else 1
 

@@ -81,7 +81,7 @@ def draw(events: list[list[tuple]], t0: float, title: str, output: Path) -> None
     fig, ax = plt.subplots(figsize=(max(10.0, min(24.0, 0.6 * len(events[0]))), 1.8 + 0.7 * p))
     for s, stage in enumerate(events):
         y = p - 1 - s  # stage 0 on top
-        for micro_batch, phase, start, end in stage:
+        for micro_batch, phase, start, end, *_ in stage:
             left, width = (start - t0) * 1e3, (end - start) * 1e3
             ax.broken_barh([(left, width)], (y - 0.4, 0.8), facecolors=COLOURS[phase], edgecolor="black",
                            linewidth=0.5)

@@ -19,11 +19,13 @@ masks) divided by ``t``. oslo keeps those regions as sequence shards too: the no
 masks are shards, and a column-parallel layer's gathered input is saved as its shard and gathered again in
 the backward (:func:`oslo.parallel.mappings.keep_sequence_shards`, as Megatron does). The prediction printed
 here is Megatron's rule applied to what oslo saves in float32 on the CPU: the block's bytes without sequence
-parallelism minus ``(1 - 1/t)`` of those regions, ``4 · 4sbh`` for the norms' and the column-parallel layers'
-inputs, plus ``2 · 4sbh`` for GPT2's and GPT-Neo's two dropout masks (torch's CPU dropout keeps a float32
-mask). The goal: measured within 5 % of it. Megatron's half-precision share (``1 - (34/t) / (10 + 24/t)``) is
-printed beside it: oslo's block keeps more that tensor parallelism already divides (float32, GELU's input and
-output, SDPA's outputs), so the same regions are a smaller share of it.
+parallelism minus ``(1 - 1/t)`` of those regions: ``6 · 4sbh`` in either kind of block, GPT2's and GPT-Neo's
+two LayerNorm inputs, two column-parallel inputs and two dropout masks (torch's CPU dropout keeps a float32
+mask), the Llama family's two column-parallel inputs and two RMSNorms that each keep their input and the
+normalized input (transformers' RMSNorm, for the weight's gradient). The goal: measured within 5 % of it.
+Megatron's half-precision share (``1 - (34/t) / (10 + 24/t)``) is printed beside it: oslo's block keeps more
+that tensor parallelism already divides (float32, GELU's input and output, SDPA's outputs), so the same regions
+are a smaller share of it.
 
 Run: ``python benchmarks/sequence_parallel.py`` (gpt2-small's blocks, ``--seq 256 --batch 2 --layers 1``;
 ``--arch llama`` for a Llama-shaped one). About a minute on 2 CPU cores.
@@ -107,7 +109,7 @@ def main() -> None:
                     for kind in ("all_reduce", "all_gather", "reduce_scatter")}
             block[sp] = per
         off, on = block[False]["saved"], block[True]["saved"]
-        regions = 4 * 4 * sbh + (2 * 4 * sbh if args.arch in ("gpt2", "gpt_neo") else 0)
+        regions = 6 * 4 * sbh  # see the module's docstring
         predicted = off - regions * (1 - 1 / tp)
         megatron = 1 - (34 / tp) / (10 + 24 / tp)  # the share of a block's bytes sequence parallelism saves
         print(f"tp={tp}: saved for backward per block and rank: {h.mib(off)} without, {h.mib(on)} with sequence "

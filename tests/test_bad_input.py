@@ -314,6 +314,10 @@ def _disagree(rank, world_size, settings, fragments):
     ([dict(tensor_parallel_size=2, seed=3), dict(tensor_parallel_size=2, seed=4)],
      "seed=3 on ranks [0], seed=4 on ranks [1]"),
     ([dict(timeout=20), dict(timeout=25)], "timeout=0:00:20 on ranks [0], timeout=0:00:25 on ranks [1]"),
+    ([dict(tensor_parallel_size=2, sequence_parallel=True), dict(tensor_parallel_size=2)],
+     "sequence_parallel=True on ranks [0], sequence_parallel=False on ranks [1]"),
+    ([dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, virtual_pipeline_size=2)],
+     "virtual_pipeline_size=1 on ranks [0], virtual_pipeline_size=2 on ranks [1]"),
 ])
 def test_ranks_that_disagree_on_the_layout_fail_every_rank(settings, fragment):
     """Ranks asking for different layouts would create different groups and wait for each other: one
@@ -339,8 +343,9 @@ def _layout_cost(rank, world_size, seeds):
 
 
 def test_the_layout_check_is_one_small_all_gather():
-    """Data-parallel replicas may take different seeds (only a model-parallel group shares one)."""
-    assert run_distributed(_layout_cost, 2, [1, 2], timeout=40) == [[(torch.int64, (5,))]] * 2
+    """Data-parallel replicas may take different seeds (only a model-parallel group shares one). Seven int64: the
+    sizes, the timeout, the seed (given or not, and its value), sequence_parallel and virtual_pipeline_size."""
+    assert run_distributed(_layout_cost, 2, [1, 2], timeout=40) == [[(torch.int64, (7,))]] * 2
 
 
 def test_split_sizes_name_the_attribute_the_value_and_the_sizes_that_work():

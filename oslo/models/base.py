@@ -636,6 +636,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         timeout: timedelta | float | None = None,
         deployment: bool = False,
         sequence_parallel: bool = False,
+        virtual_pipeline_size: int = 1,
     ):
         """A randomly initialized model, split across ranks.
 
@@ -661,6 +662,10 @@ class OsloPreTrainedModel(PreTrainedModel):
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
                 the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
                 family) have it. See :mod:`oslo.parallel.sequence`.
+            virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
+                ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
+                interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs
+                ``pipeline_parallel_size`` > 1. See :func:`oslo.parallel.pipeline.interleaved_order`.
 
         Returns:
             The model, in training mode as transformers' ``from_config`` leaves it (with ``deployment=True``:
@@ -671,7 +676,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
             parallel_context=parallel_context, timeout=timeout, deployment=deployment,
-            sequence_parallel=sequence_parallel)
+            sequence_parallel=sequence_parallel, virtual_pipeline_size=virtual_pipeline_size)
 
     @classmethod
     def from_pretrained_with_parallel(
@@ -690,6 +695,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         config: PretrainedConfig | None = None,
         deployment: bool = False,
         sequence_parallel: bool = False,
+        virtual_pipeline_size: int = 1,
         **kwargs,
     ):
         """Load a checkpoint split across ranks; each rank reads only its own slices.
@@ -735,6 +741,10 @@ class OsloPreTrainedModel(PreTrainedModel):
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
                 the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
                 family) have it. See :mod:`oslo.parallel.sequence`.
+            virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
+                ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
+                interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs
+                ``pipeline_parallel_size`` > 1. See :func:`oslo.parallel.pipeline.interleaved_order`.
             **kwargs: Config overrides, as in transformers (``pad_token_id=0``, ``dropout=...``).
 
         Returns:
@@ -746,7 +756,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             pipeline_parallel_size=pipeline_parallel_size, micro_batch_size=micro_batch_size,
             resize_token_embeddings=resize_token_embeddings, seed=seed, dtype=dtype, torch_dtype=torch_dtype,
             attn_implementation=attn_implementation, parallel_context=parallel_context, timeout=timeout,
-            config=config, deployment=deployment, sequence_parallel=sequence_parallel, **kwargs)
+            config=config, deployment=deployment, sequence_parallel=sequence_parallel,
+            virtual_pipeline_size=virtual_pipeline_size, **kwargs)
 
     # ---- saving ------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -19,7 +19,7 @@ from oslo import checkpoint as ckpt
 from oslo import hub
 from oslo.parallel import ties
 from oslo.parallel.comm import run_on_all_ranks
-from oslo.parallel.context import ParallelContext, validate_parallel_size
+from oslo.parallel.context import ParallelContext, validate_parallel_size, validate_virtual_pipeline_size
 from oslo.parallel.dtensor import distribute_parameters
 from oslo.parallel.plan import parameter_specs
 
@@ -56,12 +56,13 @@ def validate_pipeline_size(cls: type[OsloPreTrainedModel], pipeline_parallel_siz
 
 def parallel_context_for(
     parallel_context: ParallelContext | None, tp: int, pp: int, seed: int | None, timeout=None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, virtual_pipeline_size: int = 1,
 ) -> ParallelContext:
     """``parallel_context`` if its sizes are ``tp`` x ``pp`` and it splits sequences as asked (else ``ValueError``),
     or a new context of those sizes when it is ``None``."""
     if parallel_context is None:
-        return ParallelContext(tp, pp, seed=seed, timeout=timeout, sequence_parallel=sequence_parallel)
+        return ParallelContext(tp, pp, seed=seed, timeout=timeout, sequence_parallel=sequence_parallel,
+                               virtual_pipeline_size=virtual_pipeline_size)
     if (parallel_context.tensor_parallel_size, parallel_context.pipeline_parallel_size) != (tp, pp):
         raise ValueError(
             f"parallel_context has tensor_parallel_size={parallel_context.tensor_parallel_size}, "
@@ -73,6 +74,13 @@ def parallel_context_for(
             f"parallel_context was made with sequence_parallel={parallel_context.sequence_parallel} but "
             f"sequence_parallel={sequence_parallel} was requested: the models of one context split sequences "
             "alike. Pass the context's setting, or a context made with ParallelContext(..., sequence_parallel=...)."
+        )
+    if parallel_context.virtual_pipeline_size != virtual_pipeline_size:
+        raise ValueError(
+            f"parallel_context was made with virtual_pipeline_size={parallel_context.virtual_pipeline_size} but "
+            f"virtual_pipeline_size={virtual_pipeline_size} was requested: the models of one context cut their "
+            "stages alike. Pass the context's setting, or a context made with ParallelContext(..., "
+            "virtual_pipeline_size=...)."
         )
     return parallel_context
 
@@ -158,6 +166,7 @@ def from_config_with_parallel(
     timeout: timedelta | float | None = None,
     deployment: bool = False,
     sequence_parallel: bool = False,
+    virtual_pipeline_size: int = 1,
 ):
     """See :meth:`~oslo.models.base.OsloPreTrainedModel.from_config_with_parallel`."""
     if deployment:
@@ -167,10 +176,12 @@ def from_config_with_parallel(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
-            parallel_context=parallel_context, timeout=timeout, sequence_parallel=sequence_parallel))
+            parallel_context=parallel_context, timeout=timeout, sequence_parallel=sequence_parallel,
+            virtual_pipeline_size=virtual_pipeline_size))
     tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
     pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
     sequence_parallel = validate_sequence_parallel(cls, sequence_parallel)
+    virtual_pipeline_size = validate_virtual_pipeline_size(virtual_pipeline_size, pp)
     dtype = resolve_dtype(dtype, torch_dtype)
     dtype = torch.float32 if dtype in (None, "auto") else dtype
     if not isinstance(config, cls.config_class):
@@ -183,7 +194,8 @@ def from_config_with_parallel(
     if resize_token_embeddings is not None:
         config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)
     cls._validate_parallel_config(config, tp)
-    context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
+    context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel,
+                                       virtual_pipeline_size)
     model = build_empty(cls, config, context, dtype, attn_implementation)
     model.set_micro_batch_size(micro_batch_size)
 
@@ -216,6 +228,7 @@ def from_pretrained_with_parallel(
     config: PretrainedConfig | None = None,
     deployment: bool = False,
     sequence_parallel: bool = False,
+    virtual_pipeline_size: int = 1,
     **kwargs,
 ):
     """See :meth:`~oslo.models.base.OsloPreTrainedModel.from_pretrained_with_parallel`."""
@@ -227,16 +240,18 @@ def from_pretrained_with_parallel(
             micro_batch_size=micro_batch_size, resize_token_embeddings=resize_token_embeddings, seed=seed,
             dtype=dtype, torch_dtype=torch_dtype, attn_implementation=attn_implementation,
             parallel_context=parallel_context, timeout=timeout, config=config, sequence_parallel=sequence_parallel,
-            **kwargs))
+            virtual_pipeline_size=virtual_pipeline_size, **kwargs))
     tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
     pp = validate_pipeline_size(cls, pipeline_parallel_size, micro_batch_size)
     sequence_parallel = validate_sequence_parallel(cls, sequence_parallel)
+    virtual_pipeline_size = validate_virtual_pipeline_size(virtual_pipeline_size, pp)
     dtype = resolve_dtype(dtype, torch_dtype)
     hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
     path = os.fspath(pretrained_model_name_or_path)
     context = None
     if hub.is_hub_name(path):  # every rank resolves it together: the context comes first
-        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
+        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel,
+                                       virtual_pipeline_size)
     path = hub.resolve_checkpoint(path, context, **hub_options)
     checkpoint = ckpt.inspect_checkpoint(path)
     config, unused = load_config(cls, path, config, kwargs)
@@ -254,7 +269,8 @@ def from_pretrained_with_parallel(
         dtype = resolve_dtype(dtype, None)
 
     if context is None:
-        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel)
+        context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel,
+                                       virtual_pipeline_size)
     model = build_empty(cls, config, context, dtype, attn_implementation)
     model.set_micro_batch_size(micro_batch_size)
     ckpt.load_checkpoint(

@@ -19,11 +19,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from oslo.models import loss_accounting
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
+from oslo.models.stages import running_stage
 from oslo.parallel.data_parallel import active_data_parallel_wrapper
 from oslo.parallel.deepspeed_engine import active_deepspeed_engine, check_engine, hold_reduction, reduce_now
 from oslo.parallel.pipeline import (
     PipelineStep,
     StageLink,
+    check_interleaved,
     pipeline_pass,
     pipeline_schedule,
     split_micro_batches,
@@ -184,18 +186,27 @@ def forward_with_head(
 
     # Per-layer outputs asked for (hidden states, attentions): each stage has its layers' share.
     per_layer_fields = [name for name in body.per_layer_outputs if name in fields]
-    stage_outputs: dict[str, tuple] = {}
-    last = context.is_pipeline_last_stage()
+    stage_outputs: dict[int, dict[str, tuple]] = {}  # stage (virtual, under an interleaved schedule): its share
+    last_stage = context.pipeline_parallel_size * context.virtual_pipeline_size - 1
 
-    def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None):
+    def run_stage(batch: dict, received, cache, outputs_needed: bool, divisors=None, stage: int = 0,
+                  states: dict | None = None):
+        """Run stage ``stage``; a pass's stages on one rank (an interleaved schedule's) share the ``states`` of
+        the body's ``prepare``, whose positions read the cache before any of them adds to it."""
         body_inputs = {name: batch.get(name) for name in inputs}
-        with model._model_call():  # a part of this call (the schedule runs it later): no input check
-            state = body.prepare(**body_inputs, cache=cache, use_cache=cache is not None,
-                                 return_dict=True, **body_kwargs)
+        last = stage == last_stage
+        with model._model_call(), running_stage(model, stage):  # a part of this call: no input check
+            state = states.get("state") if states is not None else None
+            if state is None:
+                state = body.prepare(**body_inputs, cache=cache, use_cache=cache is not None,
+                                     return_dict=True, **body_kwargs)
+                if states is not None:
+                    states["state"] = state
+            marks = {name: len(getattr(state, name, None) or ()) for name in per_layer_fields}
             payload = body.run_layers(body.embed(state) if received is None else received, state)
             outputs = body.finish(payload, state) if last else None
-        stage_outputs.update({name: getattr(state, name) for name in per_layer_fields
-                              if getattr(state, name, None) is not None})
+        stage_outputs[stage] = {name: getattr(state, name)[marks[name]:] for name in per_layer_fields
+                                if getattr(state, name, None) is not None}
         if not last:
             return payload
         values = head(outputs, body_inputs, {name: batch.get(name) for name in head_inputs}, outputs_needed)
@@ -218,8 +229,9 @@ def forward_with_head(
                 "for them."
             )
         micro_batches = split_micro_batches(batch, model.micro_batch_size)
+        check_interleaved(context.pipeline_parallel_size, context.virtual_pipeline_size, len(micro_batches))
         divisors = None
-        if last and loss_items is not None and num_items_in_batch is None:
+        if context.is_pipeline_last_stage() and loss_items is not None and num_items_in_batch is None:
             divisors = loss_accounting.step_divisors(context, loss_items, micro_batches)
         # DeepSpeed's engine averages over the replicas itself, once the step's gradients are complete.
         engine = active_deepspeed_engine(context)
@@ -251,7 +263,7 @@ def forward_with_head(
             yield from pipeline_schedule(
                 context,
                 len(micro_batches),
-                lambda i, received: run_stage(micro_batches[i], received, None, False, divisors),
+                lambda i, received, stage: run_stage(micro_batches[i], received, None, False, divisors, stage),
                 micro_output=lambda values, loss: wrap(output_class(loss=loss)),
                 last_stage_loss=lambda values: values["loss"],
                 after_step=after_step,
@@ -267,11 +279,14 @@ def forward_with_head(
     if use_cache and cache is None:
         cache = model._new_cache()
     names = [name for name in fields if name not in per_layer_fields and name != CACHE_FIELD]
-    values = pipeline_pass(context, lambda received: run_stage(batch, received, cache, True), names,
-                           payload=body.stage_payload, first_stage=body.first_pass_stage(inputs, body_kwargs))
+    states: dict = {}
+    values = pipeline_pass(context, lambda received, stage: run_stage(batch, received, cache, True, stage=stage,
+                                                                      states=states),
+                           names, payload=body.stage_payload, first_stage=body.first_pass_stage(inputs, body_kwargs))
     link = StageLink(context)
-    gathered = [name for name in per_layer_fields if name in stage_outputs]
-    values.update({name: link.gather_stages(stage_outputs[name]) for name in gathered})
+    gathered = [name for name in per_layer_fields if any(name in outputs for outputs in stage_outputs.values())]
+    values.update({name: link.gather_stages({stage: outputs[name] for stage, outputs in stage_outputs.items()
+                                             if name in outputs}) for name in gathered})
     if CACHE_FIELD in fields:
         values[CACHE_FIELD] = cache if use_cache else None
     return wrap(output_class(**values))

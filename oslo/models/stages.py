@@ -13,9 +13,13 @@ then measures that model and prunes it to this rank's stage:
   parent (T5's ``encoder.final_layer_norm``) goes with that container's last layer, any other (the decoder's
   ``embed_tokens``) with the next container's first layer;
 * the layers are split into contiguous ranges, the largest stage (its layers and what comes with them) as
-  small as it can be (:func:`~oslo.parallel.pipeline.partition_costs`);
+  small as it can be (:func:`~oslo.parallel.pipeline.partition_costs`); under an interleaved schedule
+  (``virtual_pipeline_size`` = ``v``) into ``v x P`` ranges, the virtual stages, rank ``s`` holding
+  ``s, s + P, ...``;
 * the rank keeps its stage's layers (renumbered from slot 0 of its KV cache) and every module holding a
   parameter of its stage; any other module holding parameters becomes ``None``.
+
+A call runs one virtual stage at a time inside :func:`running_stage`.
 
 The model is built once (on the meta device by ``from_pretrained_with_parallel``: nothing is allocated
 before the pruning) and constructors never ask which stage they build.
@@ -23,7 +27,9 @@ before the pruning) and constructors never ask which stage they build.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -32,7 +38,7 @@ from oslo.parallel.context import validate_parallel_size
 from oslo.parallel.pipeline import StageLayers, partition_costs
 from oslo.parallel.plan import parameter_specs
 
-__all__ = ["assign_stage", "stage_ranges"]
+__all__ = ["assign_stage", "running_stage", "stage_ranges"]
 
 _BEFORE, _AFTER = "before", "after"
 
@@ -119,19 +125,45 @@ def assign_stage(model: nn.Module) -> None:
     if context.pipeline_parallel_size == 1:
         _record(model, stage_ranges(model, 1))
         return
+    size, chunks = context.pipeline_parallel_size, context.virtual_pipeline_size
+    layers = sum(container.num_layers for container in containers.values())
+    if chunks > 1 and layers < size * chunks:
+        raise ValueError(
+            f"virtual_pipeline_size={chunks} x pipeline_parallel_size={size} = {size * chunks} virtual stages, but "
+            f"{type(model).__name__} has {layers} layers: every virtual stage needs at least one. Use "
+            f"virtual_pipeline_size <= {max(layers // size, 1)}."
+        )
     places = _places(model, containers)
-    ranges = _partition(model, containers, places, context.pipeline_parallel_size)
+    ranges = _partition(model, containers, places, size * chunks)
     _record(model, ranges)
     stage = context.pipeline_parallel_rank
-    stage_of = {layer: index for index, layers in enumerate(ranges) for layer in layers}
-    last = len(ranges) - 1
-    owners = {name: 0 if place == _BEFORE else last if place == _AFTER else stage_of[place]
+    rank_of = {layer: index % size for index, layers in enumerate(ranges) for layer in layers}
+    owners = {name: 0 if place == _BEFORE else (len(ranges) - 1) % size if place == _AFTER else rank_of[place]
               for name, place in places.items()}
-    mine, offset = ranges[stage], 0
+    mine, offset = {layer for layer, rank in rank_of.items() if rank == stage}, 0
     for container in containers.values():
-        container.keep(range(max(mine.start - offset, 0), max(min(mine.stop - offset, container.num_layers), 0)))
+        container.keep({layer - offset for layer in mine if offset <= layer < offset + container.num_layers})
         offset += container.num_layers
     _prune(model, "", owners, stage)
+
+
+@contextlib.contextmanager
+def running_stage(model: nn.Module, stage: int) -> Iterator[None]:
+    """Within it, the model's :class:`StageLayers` hold (for iteration) only the layers of ``stage``, one of this
+    rank's virtual stages under an interleaved schedule; without virtual stages, nothing changes."""
+    ranges = model.pipeline_stages
+    if ranges is None or len(ranges) == model.parallel_context.pipeline_parallel_size:
+        yield
+        return
+    containers, offset = list(_containers(model).values()), 0
+    for container in containers:
+        container.running = range(ranges[stage].start - offset, ranges[stage].stop - offset)
+        offset += container.num_layers
+    try:
+        yield
+    finally:
+        for container in containers:
+            container.running = None
 
 
 def _record(model: nn.Module, ranges: list[range]) -> None:

@@ -63,6 +63,7 @@ from oslo.models.heads import (
     TokenClassificationHead,
     seq2seq_body_inputs,
 )
+from oslo.models.stages import running_stage
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
@@ -344,18 +345,18 @@ class T5Stack(nn.Module):
         self._owner: weakref.ref | None = None  # the model that runs this stack (set by it)
 
     def held(self) -> list[int]:
-        """The indices of this stage's blocks."""
-        return [int(name) for name in self.block._modules]
+        """The indices of this stage's blocks (of the virtual stage running, under an interleaved schedule)."""
+        return self.block.indices()
 
     @property
     def starts_here(self) -> bool:
         """This stage holds the stack's first block."""
-        return str(0) in self.block._modules
+        return 0 in self.held()
 
     @property
     def ends_here(self) -> bool:
         """This stage holds the stack's last block."""
-        return str(self.num_layers - 1) in self.block._modules
+        return self.num_layers - 1 in self.held()
 
     def position_table(self) -> torch.Tensor:
         """The relative position table of the first block (this stage holds it)."""
@@ -680,24 +681,25 @@ class _T5Stacks(StagedBody):
             return output if return_dict is not False else output.to_tuple()
         states = {}
 
-        def stage_forward(received):
-            state, payload = run(received)
-            states["state"] = state
-            if context.pipeline_parallel_rank == self.encoder_end_stage:
+        def stage_forward(received, stage):
+            with running_stage(self, stage):
+                state, payload = run(received)
+            states[stage] = state
+            if stage == self.encoder_end_stage:
                 return {"last_hidden_state": payload["hidden_states"]}
             return payload
 
         values = pipeline_pass(context, stage_forward, ["last_hidden_state"], payload=self.stage_payload,
                                last_stage=self.encoder_end_stage)
         link = StageLink(context)
-        state = states.get("state")
         per_layer = {}
         for field, flag in zip(("hidden_states", "attentions"), (output_hidden_states, output_attentions),
                                strict=True):
             asked = flag if flag is not None else getattr(self.config, f"output_{field}")
             if asked:
-                local = getattr(state, state.encoder_fields[field == "attentions"]) if state is not None else ()
-                per_layer[field] = link.gather_stages(local or ())
+                per_layer[field] = link.gather_stages({
+                    stage: getattr(state, state.encoder_fields[field == "attentions"]) or ()
+                    for stage, state in states.items()})
         output = BaseModelOutput(last_hidden_state=values["last_hidden_state"], **per_layer)
         return output if return_dict is not False else output.to_tuple()
 

@@ -26,6 +26,17 @@ _LAUNCH_HINT = (
 )
 
 
+def validate_virtual_pipeline_size(value: object, pipeline_parallel_size: int) -> int:
+    """``virtual_pipeline_size``, checked: a positive integer, above 1 only with several pipeline stages."""
+    value = validate_parallel_size("virtual_pipeline_size", value)
+    if value > 1 and pipeline_parallel_size == 1:
+        raise ValueError(
+            f"virtual_pipeline_size={value} needs pipeline_parallel_size > 1 (got 1): it cuts each pipeline stage "
+            "into chunks. Use virtual_pipeline_size=1, or pipeline_parallel_size >= 2."
+        )
+    return value
+
+
 def validate_parallel_size(name: str, value: object) -> int:
     """Check that a parallel size given by a user is a positive integer and return it.
 
@@ -222,6 +233,11 @@ class ParallelContext:
         sequence_parallel: Split the activations between the tensor-parallel regions of each block along the
             sequence across the tensor-parallel ranks (Megatron's sequence parallelism; no effect at
             ``tensor_parallel_size=1``). The models built on this context follow it.
+        virtual_pipeline_size: Chunks of layers each pipeline stage holds (interleaved 1F1B, Megatron's virtual
+            pipeline stages): at ``v`` > 1 a model of ``L`` layers is cut into ``v x pipeline_parallel_size``
+            contiguous pieces, stage ``s`` holding pieces ``s, s + P, s + 2P, ...``, and a training step runs
+            :func:`~oslo.parallel.pipeline.interleaved_order`: the pipeline's idle time shrinks by about ``v``.
+            Needs ``pipeline_parallel_size`` > 1 and at least ``v x pipeline_parallel_size`` layers.
     """
 
     def __init__(
@@ -232,12 +248,14 @@ class ParallelContext:
         backend: str | None = None,
         timeout: timedelta | float | None = None,
         sequence_parallel: bool = False,
+        virtual_pipeline_size: int = 1,
     ) -> None:
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}.")
         tp = validate_parallel_size("tensor_parallel_size", tensor_parallel_size)
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(timeout)
         pp = validate_parallel_size("pipeline_parallel_size", pipeline_parallel_size)
+        vpp = validate_virtual_pipeline_size(virtual_pipeline_size, pp)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}. Pass e.g. seed=42.")
 
@@ -265,7 +283,7 @@ class ParallelContext:
         # rank whatever they asked for, so it comes first; the layout's groups only once the ranks agree.
         self.world_group = self._new_groups([list(range(world_size))])
         if world_size > 1:  # ranks asking for other layouts would create other groups and wait forever
-            self._agree_on_layout(tp, pp, seed)
+            self._agree_on_layout(tp, pp, seed, (sequence_parallel, vpp))
         if world_size % model_parallel != 0:
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {model_parallel} must divide the "
@@ -275,6 +293,7 @@ class ParallelContext:
 
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
+        self.virtual_pipeline_size = vpp
         self.data_parallel_size = world_size // model_parallel
         self.in_model_call = False  # set while a model of this context runs (its inputs are checked once)
 
@@ -326,6 +345,7 @@ class ParallelContext:
         context.world_size, context.rank, context.timeout = 1, 0, DEFAULT_TIMEOUT
         context.device = torch.device("cpu")
         context.tensor_parallel_size = context.pipeline_parallel_size = context.data_parallel_size = 1
+        context.virtual_pipeline_size = 1
         context.tensor_parallel_rank = context.pipeline_parallel_rank = context.data_parallel_rank = 0
         context.model_parallel_rank = 0
         context.in_model_call = False
@@ -377,19 +397,20 @@ class ParallelContext:
                 _created_groups.add(subgroup=group)
         return mine
 
-    def _agree_on_layout(self, tp: int, pp: int, seed: int | None) -> None:
-        """Check that every rank asked for the same layout, with one all-gather of five int64 per rank
+    def _agree_on_layout(self, tp: int, pp: int, seed: int | None, options: tuple[bool, int] = (False, 1)) -> None:
+        """Check that every rank asked for the same layout, with one all-gather of seven int64 per rank
         over the world group, before any group of the layout exists: the sizes, the timeout, whether a
         seed was given, and the seed (the same within each model-parallel group, whose ranks build one
-        model from it). Ranks that disagree would create different groups, or run different collectives,
-        and wait for each other.
+        model from it), and ``options``: ``(sequence_parallel, virtual_pipeline_size)``. Ranks that disagree would
+        create different groups, or run different collectives, and wait for each other.
 
         Raises:
             ValueError: on every rank, naming each value that differs and the ranks that passed it.
         """
         timeout_ms = round(self.timeout.total_seconds() * 1000)
         seed_bits = 0 if seed is None else (seed + 2**63) % 2**64 - 2**63  # any int64-wrapped seed
-        mine = torch.tensor([tp, pp, timeout_ms, seed is not None, seed_bits], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([tp, pp, timeout_ms, seed is not None, seed_bits, *options], dtype=torch.int64,
+                            device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with naming_timeouts(self, "comparing tensor_parallel_size, pipeline_parallel_size, seed and timeout "
                              "across ranks before building the model", "every rank must build the model",
@@ -402,6 +423,8 @@ class ParallelContext:
             _differing("pipeline_parallel_size", [row[1] for row in rows]),
             _differing("timeout", [timedelta(milliseconds=row[2]) for row in rows]),
             _differing("seed", seeds) if len({row[3] for row in rows}) > 1 else "",
+            _differing("sequence_parallel", [bool(row[5]) for row in rows]),
+            _differing("virtual_pipeline_size", [row[6] for row in rows]),
         ]
         if not any(problems):  # one layout: each model-parallel group must share one seed
             size = tp * pp
@@ -410,7 +433,8 @@ class ParallelContext:
         if problems:
             raise ValueError(
                 "the ranks were given different parallel settings: " + "; ".join(problems) + ". Pass the same "
-                "tensor_parallel_size, pipeline_parallel_size and timeout on every rank, and seed on every rank "
+                "tensor_parallel_size, pipeline_parallel_size, sequence_parallel, virtual_pipeline_size and timeout "
+                "on every rank, and seed on every rank "
                 "or on none (the same seed on the ranks of one tensor/pipeline-parallel group); ranks that "
                 "build different layouts would wait for each other forever."
             )

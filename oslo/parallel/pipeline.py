@@ -19,6 +19,12 @@ last stage sends it back with the gradient), and its ``backward()`` runs this st
 backward pass: the last stage backpropagates the loss, the others backpropagate the gradient received
 from the next stage.
 
+With ``virtual_pipeline_size`` = ``v`` > 1 (interleaved 1F1B) each stage holds ``v`` chunks of layers and a
+step follows :func:`interleaved_order`; the user's ``backward()`` runs each micro-batch's last chunk on the
+stage, the schedule the others. The stages then form a ring (the last stage's chunk feeds the first stage's
+next one), several streams share a link, and every rank reads a neighbour's messages in the order the
+neighbour sent them (:meth:`StageLink.expect`: no tags, which NCCL lacks).
+
 Transfers are ``isend`` (kept until the step ends) and blocking ``recv`` in the order of the
 schedule, which cannot deadlock. The first tensor of a step in each direction is preceded by a small
 header (dtype and shape), so the receiver never guesses shapes and a mismatch is an error, not a
@@ -51,6 +57,8 @@ __all__ = [
     "PipelineStep",
     "TimelineEvent",
     "close_open_step",
+    "check_interleaved",
+    "interleaved_order",
     "StageLayers",
     "StageLink",
     "partition_layers",
@@ -184,23 +192,35 @@ class StageLayers(nn.Module):
         built whole; a pipeline stage then keeps its own layers (see :mod:`oslo.models.stages`)."""
         return cls({index: make_layer(index) for index in range(num_layers)}, num_layers=num_layers)
 
-    def keep(self, own: range) -> None:
+    # Under an interleaved schedule, the layers of the virtual stage running now (global indices): iterating
+    # yields only those (see oslo.models.stages.running_stage). None: every layer held.
+    running: range | None = None
+
+    def keep(self, own: range | set[int]) -> None:
         """Keep the layers of ``own`` (global indices), dropping the others, and number the kept ones' slots in
         the stage's KV cache from 0: a layer's modules that hold ``cache_idx`` get their layer's position on
         the stage."""
         for index in list(self._modules):
             if int(index) not in own:
                 del self._modules[index]
-        for slot, layer in enumerate(self):
+        for slot, layer in enumerate(self._modules.values()):
             for module in layer.modules():
                 if hasattr(module, "cache_idx"):
                     module.cache_idx = slot
 
+    def indices(self) -> list[int]:
+        """The global indices of the layers held (of the virtual stage running, while one runs)."""
+        return [int(index) for index in self._modules if self.running is None or int(index) in self.running]
+
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        if self.running is None:
+            return iter(self._modules.values())
+        return iter([layer for index, layer in self._modules.items() if int(index) in self.running])
 
     def __len__(self) -> int:
-        return len(self._modules)
+        if self.running is None:
+            return len(self._modules)
+        return sum(int(index) in self.running for index in self._modules)
 
     def _block(self, index: int) -> nn.Module:
         if not -self.num_layers <= index < self.num_layers:
@@ -269,21 +289,43 @@ class StageLink:
     its message.
     """
 
-    def __init__(self, context: ParallelContext) -> None:
+    def __init__(self, context: ParallelContext, ring: bool = False) -> None:
         self.context = context
-        stage = context.pipeline_parallel_rank
-        self.prev = context.pipeline_parallel_global_rank(stage - 1) if stage > 0 else None
-        self.next = (
-            context.pipeline_parallel_global_rank(stage + 1) if stage < context.pipeline_parallel_size - 1 else None
-        )
-        self._pp_ranks = [context.pipeline_parallel_global_rank(i) for i in range(context.pipeline_parallel_size)]
+        stage, size = context.pipeline_parallel_rank, context.pipeline_parallel_size
+        if ring and size > 1:  # interleaved chunks: the last stage's chunk feeds the first stage's next chunk
+            self.prev = context.pipeline_parallel_global_rank((stage - 1) % size)
+            self.next = context.pipeline_parallel_global_rank((stage + 1) % size)
+        else:
+            self.prev = context.pipeline_parallel_global_rank(stage - 1) if stage > 0 else None
+            self.next = context.pipeline_parallel_global_rank(stage + 1) if stage < size - 1 else None
+        self._pp_ranks = [context.pipeline_parallel_global_rank(i) for i in range(size)]
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # (send, its buffer, its peer)
-        # (direction, peer) -> (dtype, shape) of the tensors that link carries since its header
-        self._shapes: dict[tuple[str, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # (direction, peer, stream) -> (dtype, shape) of the tensors that stream carries since its header
+        self._shapes: dict[tuple[str, int, int], Any] = {}
         # What went to and came from each neighbour, message by message: a step that ends early on some
         # stage receives (and drops) what its neighbours sent and it never took, see settle().
         self.sent: dict[int, list[int]] = {peer: [] for peer in (self.prev, self.next) if peer is not None}
         self.received: dict[int, int] = {peer: 0 for peer in (self.prev, self.next) if peer is not None}
+        # Several streams to one peer (see expect): the order in which each peer sends its streams' messages to
+        # this rank, the messages read ahead of their turn, and how many messages of each stream went out.
+        self._orders: dict[int, list[int]] = {}
+        self._read: dict[int, int] = {}
+        self._early: dict[tuple[int, int], list] = {}
+        self._send_orders: dict[int, list[int]] = {}
+        self._sent_messages: dict[int, int] = {}
+
+    def expect(self, receive_orders: dict[int, list[int]], send_orders: dict[int, list[int]]) -> None:
+        """Carry several streams over one link (an interleaved schedule's chunks, its forward and backward
+        passes): ``receive_orders[peer]`` lists the stream of every message ``peer`` will send this rank this
+        step, in the order it sends them; ``send_orders[peer]`` the same for this rank's messages to ``peer``.
+
+        Messages between two ranks arrive in the order they were sent (NCCL has no tags; this link uses none),
+        so :meth:`recv` of one stream reads the peer's earlier messages of other streams first and keeps them
+        for their turn. Every rank derives these orders from the same static schedule."""
+        self._orders = {peer: list(order) for peer, order in receive_orders.items()}
+        self._read = dict.fromkeys(self._orders, 0)
+        self._send_orders = {peer: list(order) for peer, order in send_orders.items()}
+        self._sent_messages = dict.fromkeys(self._send_orders, 0)
 
     @staticmethod
     def _header(tensors: list[torch.Tensor | None] | None, code: int = 0, length: int = 0) -> torch.Tensor:
@@ -360,14 +402,15 @@ class StageLink:
         self.received[peer] += 1
 
     def send(self, tensors: torch.Tensor | list[torch.Tensor | None], peer: int,
-             extra: torch.Tensor | None = None) -> None:
+             extra: torch.Tensor | None = None, stream: int = 0) -> None:
         """Send a tensor, or a list of up to four tensors (``None`` allowed), to global rank ``peer``
         in one message, without waiting for it to arrive; ``extra`` (at most two numbers, e.g. the loss
-        and the backward seed) travels with it. :meth:`recv` returns what was sent, in the same form."""
+        and the backward seed) travels with it. :meth:`recv` returns what was sent, in the same form. ``stream``
+        names one of several streams to ``peer`` (see :meth:`expect`)."""
         single = isinstance(tensors, torch.Tensor)
         tensors = [tensors] if single else list(tensors)
         tensors = [None if t is None else self._device_tensor(t.detach().contiguous()) for t in tensors]
-        key = ("send", peer)
+        key = ("send", peer, stream)
         described = [None if t is None else (t.dtype, tuple(t.shape)) for t in tensors]
         if key not in self._shapes:
             self._isend(self._device_tensor(self._header(tensors, length=int(single))), peer)
@@ -378,12 +421,15 @@ class StageLink:
                 "micro-batch of a step must give tensors of one dtype and shape."
             )
         self._isend(self._packed(tensors, sum(self._sizes(described)), _OK, extra=extra), peer)
+        if peer in self._sent_messages:
+            self._sent_messages[peer] += 1
 
     def send_abort(self, peer: int, message: str) -> None:
         """Tell ``peer`` that the step failed here, in place of what it would receive next from this rank
         (if it waits for something; otherwise :meth:`settle` drops it). Does not wait."""
         encoded = torch.tensor(list(message.encode()), dtype=torch.uint8)
-        key = ("send", peer)
+        order, count = self._send_orders.get(peer, ()), self._sent_messages.get(peer, 0)
+        key = ("send", peer, order[count] if count < len(order) else 0)  # the stream the peer reads next
         if key not in self._shapes:
             first = self._header(None, _ABORT, encoded.numel())
         else:
@@ -396,15 +442,36 @@ class StageLink:
         self._recv(message, peer)
         raise PipelineAbortedError(bytes(message.tolist()).decode())
 
-    def recv(self, peer: int, with_extra: bool = False):
-        """Receive the next message global rank ``peer`` sent to this rank: a tensor, or a list of
-        tensors, as it was sent (with the two ``extra`` numbers sent along, as a float64 tensor, when
-        ``with_extra``).
+    def recv(self, peer: int, with_extra: bool = False, stream: int = 0):
+        """Receive the next message global rank ``peer`` sent to this rank (on ``stream``, see :meth:`expect`):
+        a tensor, or a list of tensors, as it was sent (with the two ``extra`` numbers sent along, as a float64
+        tensor, when ``with_extra``).
 
         Raises:
             PipelineAbortedError: ``peer`` failed and sent :meth:`send_abort` instead.
         """
-        key = ("recv", peer)
+        if peer in self._orders:
+            early = self._early.get((peer, stream))
+            if early:
+                result, extra = early.pop(0)
+            else:
+                while True:
+                    order, index = self._orders[peer], self._read[peer]
+                    if index >= len(order):
+                        raise RuntimeError(f"pipeline link: no message on stream {stream} is due from rank {peer} "
+                                           "in this step's schedule.")
+                    self._read[peer] += 1
+                    result, extra = self._receive(peer, order[index])
+                    if order[index] == stream:
+                        break
+                    self._early.setdefault((peer, order[index]), []).append((result, extra))
+        else:
+            result, extra = self._receive(peer, stream)
+        return (result, extra) if with_extra else result
+
+    def _receive(self, peer: int, stream: int):
+        """The next message of ``stream`` from ``peer``, read now: ``(tensors, extra)``."""
+        key = ("recv", peer, stream)
         if key not in self._shapes:
             header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
             self._recv(header, peer)
@@ -429,21 +496,26 @@ class StageLink:
             dtype, shape = d
             tensors.append(packed[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
             offset += size
-        result = tensors[0] if single else tensors
-        return (result, trailer[2:]) if with_extra else result
+        return (tensors[0] if single else tensors), trailer[2:]
 
     def broadcast_from_last(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Give every stage the last stage's ``tensor``, or ``None`` if it has none."""
         return self.broadcast_from(self.context.pipeline_parallel_size - 1, tensor)
 
-    def gather_stages(self, local: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Every stage's tuple of tensors, concatenated in stage order, on every stage (per-layer
-        outputs such as hidden states, whose layers are spread over the stages)."""
+    def gather_stages(self, local: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """Every stage's tuple of tensors, concatenated in stage order, on every stage (per-layer outputs such
+        as hidden states, whose layers are spread over the stages). ``local`` maps this rank's stages (its
+        pipeline rank; under an interleaved schedule its virtual stages) to their tuples; a stage left out
+        has none."""
+        context = self.context
+        size = context.pipeline_parallel_size
         gathered = []
-        for stage in range(self.context.pipeline_parallel_size):
-            mine = stage == self.context.pipeline_parallel_rank
-            count = self.broadcast_from(stage, torch.tensor(len(local)) if mine else None)
-            gathered.extend(self.broadcast_from(stage, local[i] if mine else None) for i in range(int(count)))
+        for stage in range(size * context.virtual_pipeline_size):
+            owner = stage % size
+            mine = owner == context.pipeline_parallel_rank
+            tensors = local.get(stage, ()) if mine else ()
+            count = self.broadcast_from(owner, torch.tensor(len(tensors)) if mine else None)
+            gathered.extend(self.broadcast_from(owner, tensors[i] if mine else None) for i in range(int(count)))
         return tuple(gathered)
 
     def broadcast_from(self, stage: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -497,21 +569,20 @@ class StageLink:
         """
         context = self.context
         if status != STEP_OK:
-            for peer in (self.prev, self.next):
+            for peer in dict.fromkeys((self.prev, self.next)):
                 if peer is not None:
                     self.send_abort(peer, message)
-        counts = [len(self.sent.get(self.prev, ())), len(self.sent.get(self.next, ())),
-                  self.received.get(self.prev, 0), self.received.get(self.next, 0)]
+        size = context.pipeline_parallel_size
+        counts = [len(self.sent.get(peer, ())) for peer in self._pp_ranks] + \
+                 [self.received.get(peer, 0) for peer in self._pp_ranks]
         mine = torch.tensor([status, *counts], dtype=torch.int64, device=context.device)
-        stages = [torch.empty_like(mine) for _ in range(context.pipeline_parallel_size)]
+        stages = [torch.empty_like(mine) for _ in range(size)]
         with naming_timeouts(context, "ending a pipeline step", "every stage must run the same steps",
                              context.pipeline_parallel_group):
             dist.all_gather(stages, mine, group=context.pipeline_parallel_group)
         table = [row.tolist() for row in stages]
-        complete = all(
-            table[s][2] == table[s + 1][3] and table[s + 1][1] == table[s][4]  # s -> s+1 all taken, and back
-            for s in range(len(table) - 1)
-        )
+        # every message stage s sent stage t was taken by t
+        complete = all(table[s][1 + t] == table[t][1 + size + s] for s in range(size) for t in range(size))
         if complete and all(row[0] == STEP_OK for row in table):
             self.wait_all()
             return []
@@ -566,6 +637,7 @@ class TimelineEvent(NamedTuple):
     phase: str  # "forward" or "backward"
     start: float
     end: float
+    chunk: int = 0  # which of the stage's chunks of layers (interleaved schedule)
 
 
 class PipelineStep(Iterator):
@@ -682,9 +754,10 @@ def pipeline_schedule(
     Args:
         context: The model's parallel context.
         num_micro_batches: ``M``.
-        stage_forward: ``stage_forward(i, received)`` runs this stage on micro-batch ``i``; ``received``
-            is the previous stage's payload, ``{name: tensor}`` (``None`` on the first stage). Returns the
-            payload to send on (not the last stage) or the head's result (last stage).
+        stage_forward: ``stage_forward(i, received, stage)`` runs stage ``stage`` (this rank's pipeline rank,
+            or under an interleaved schedule one of its virtual stages, see :func:`interleaved_order`) on
+            micro-batch ``i``; ``received`` is the previous stage's payload, ``{name: tensor}`` (``None`` on the
+            first stage). Returns the payload to send on, or on the model's last stage the head's result.
         micro_output: ``micro_output(result, loss)`` builds what is yielded for a micro-batch;
             ``result`` is ``stage_forward``'s return value on the last stage, ``None`` elsewhere.
         last_stage_loss: The loss tensor inside the last stage's result.
@@ -698,6 +771,10 @@ def pipeline_schedule(
     Yields:
         One output per micro-batch, in order; call ``.loss.backward()`` on each before the next.
     """
+    if context.virtual_pipeline_size > 1:
+        yield from _interleaved_schedule(context, num_micro_batches, stage_forward, micro_output, last_stage_loss,
+                                         after_step, timeline, payload)
+        return
     link = StageLink(context)
     first, last = context.is_pipeline_first_stage(), context.is_pipeline_last_stage()
     stage = context.pipeline_parallel_rank
@@ -718,7 +795,7 @@ def pipeline_schedule(
                     tensor.requires_grad_(torch.is_grad_enabled())
         start = time.perf_counter()
         with context.rng.replicated():
-            result = stage_forward(i, inputs)
+            result = stage_forward(i, inputs, stage)
         if not last:
             link.send(_payload_list(result, payload), link.next)
         if timeline is not None:
@@ -794,16 +871,20 @@ def pipeline_schedule(
 
 
 def pipeline_pass(
-    context: ParallelContext, stage_forward: Callable[[dict | None], Any], names: list[str],
+    context: ParallelContext, stage_forward: Callable[[dict | None, int], Any], names: list[str],
     payload: tuple[str, ...] = ("hidden_states",), first_stage: int = 0, last_stage: int | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Run one batch through the stages without gradients; every stage gets the last stage's outputs.
 
+    Under an interleaved schedule (``context.virtual_pipeline_size`` = ``v`` > 1) the batch goes round the
+    pipeline ``v`` times, through the virtual stages ``0 .. v * P - 1`` (virtual stage ``k`` on pipeline rank
+    ``k % P``); stage numbers below are virtual stages then.
+
     Args:
         context: The model's parallel context.
-        stage_forward: ``stage_forward(received)`` runs this stage (``received`` is the previous stage's
-            payload, ``{name: tensor}``, or ``None`` on the first stage); it returns the payload to send on,
-            or on the last stage a mapping of outputs.
+        stage_forward: ``stage_forward(received, stage)`` runs stage ``stage`` (``received`` is the previous
+            stage's payload, ``{name: tensor}``, or ``None`` on the first stage); it returns the payload to send
+            on, or on the last stage a mapping of outputs.
         names: The outputs to hand to every stage, in an order all stages share.
         payload: The names of the tensors one stage passes the next.
         first_stage, last_stage: Run only the stages from ``first_stage`` to ``last_stage`` (default: the
@@ -814,25 +895,231 @@ def pipeline_pass(
     Returns:
         ``{name: tensor or None}``, the same on every stage.
     """
-    link = StageLink(context)
-    stage = context.pipeline_parallel_rank
-    last_stage = context.pipeline_parallel_size - 1 if last_stage is None else last_stage
-    runs, last = first_stage <= stage <= last_stage, stage == last_stage
+    size, chunks = context.pipeline_parallel_size, context.virtual_pipeline_size
+    link = StageLink(context, ring=chunks > 1)
+    last_stage = size * chunks - 1 if last_stage is None else last_stage
+    mine = [chunk * size + context.pipeline_parallel_rank for chunk in range(chunks)]
     result = None
     with torch.no_grad():
         try:
-            if runs:
+            for stage in mine:
+                if not first_stage <= stage <= last_stage:
+                    continue
                 received = None
                 if stage > first_stage:
-                    received = dict(zip(payload, link.recv(link.prev), strict=True))
-                result = stage_forward(received)
-                if not last:
-                    link.send(_payload_list(result, payload), link.next)
+                    received = dict(zip(payload, link.recv(link.prev, stream=stage - 1), strict=True))
+                result = stage_forward(received, stage)
+                if stage != last_stage:
+                    link.send(_payload_list(result, payload), link.next, stream=stage)
         except BaseException as exc:
             _end_failed(context, link, exc)
             raise
         failures = link.settle(STEP_OK)
         if failures:
             raise _stage_failures(context, failures)
-        values = {name: link.broadcast_from(last_stage, result.get(name) if last else None) for name in names}
+        owner = last_stage % size
+        values = {name: link.broadcast_from(owner, result.get(name) if last_stage in mine else None)
+                  for name in names}
     return values
+
+
+def interleaved_order(num_stages: int, num_chunks: int, num_micro_batches: int,
+                      stage: int) -> list[tuple[str, int, int]]:
+    """The interleaved 1F1B order of pipeline rank ``stage``: ``(phase, chunk, micro_batch)`` for every
+    forward and backward it runs in a step, ``phase`` being ``"forward"`` or ``"backward"``.
+
+    Each of the ``P = num_stages`` ranks holds ``v = num_chunks`` chunks of layers: chunk ``c`` of rank ``s`` is
+    virtual stage ``c * P + s`` of a pipeline of ``v * P`` stages, so a micro-batch goes round the ranks ``v``
+    times. The forwards run in groups of ``P`` micro-batches, chunk by chunk within a group; the backwards the
+    same with the chunks in reverse order (Megatron-LM's order, Narayanan et al. 2021; the last group is
+    smaller when ``P`` does not divide ``m``). Rank ``s`` first runs ``2 (P - s - 1) + (v - 1) P`` forwards,
+    then alternates a forward and a backward, and ends with the remaining backwards: the idle fraction of
+    balanced stages is ``(P - 1) / (v m + P - 1)``, against 1F1B's ``(P - 1) / (m + P - 1)``.
+    """
+    size, chunks, count = num_stages, num_chunks, num_micro_batches
+    groups = [range(start, min(start + size, count)) for start in range(0, count, size)]
+    forwards = [(chunk, i) for group in groups for chunk in range(chunks) for i in group]
+    backwards = [(chunk, i) for group in groups for chunk in reversed(range(chunks)) for i in group]
+    total = chunks * count
+    warmup = min(2 * (size - stage - 1) + (chunks - 1) * size, total)
+    order = [("forward", *forwards[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("forward", *forwards[warmup + k]), ("backward", *backwards[k])]
+    order += [("backward", *backwards[k]) for k in range(total - warmup, total)]
+    return order
+
+
+def check_interleaved(num_stages: int, num_chunks: int, num_micro_batches: int) -> None:
+    """Refuse a number of micro-batches :func:`interleaved_order` cannot run: every rank's order is followed
+    with its dependencies (a forward after the previous virtual stage's, a backward after the next one's) and
+    the order must run to its end. It always does when ``num_stages`` divides ``num_micro_batches`` (or
+    ``num_micro_batches`` < ``num_stages``); with a last group of another size it may wait forever.
+
+    Raises:
+        ValueError: on every rank alike (the check depends on the sizes only), before the step starts.
+    """
+    size, chunks, count = num_stages, num_chunks, num_micro_batches
+    if chunks == 1 or count % size == 0 or count < size:
+        return
+    orders = [interleaved_order(size, chunks, count, stage) for stage in range(size)]
+    last, done, position = size * chunks - 1, set(), [0] * size
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage in range(size):
+            while position[stage] < len(orders[stage]):
+                phase, chunk, i = orders[stage][position[stage]]
+                virtual = chunk * size + stage
+                if phase == "forward":
+                    needs = ("forward", virtual - 1, i) if virtual > 0 else None
+                else:
+                    needs = ("backward", virtual + 1, i) if virtual < last else None
+                if needs is not None and needs not in done:
+                    break
+                done.add((phase, virtual, i))
+                position[stage] += 1
+                progressed = True
+    if any(position[stage] < len(orders[stage]) for stage in range(size)):
+        fits = [n for n in (count - count % size, count - count % size + size) if n > 0]
+        raise ValueError(
+            f"the interleaved schedule (virtual_pipeline_size={chunks}) cannot run {count} micro-batches on "
+            f"pipeline_parallel_size={size} stages: its groups of {size} micro-batches would leave a last group of "
+            f"{count % size}, and the stages would wait for each other. Use a number of micro-batches that "
+            f"pipeline_parallel_size divides ({' or '.join(map(str, fits))}: batch size = micro-batches x "
+            "micro_batch_size), or virtual_pipeline_size=1."
+        )
+
+
+def _interleaved_messages(num_stages: int, num_chunks: int, num_micro_batches: int,
+                          stage: int) -> dict[int, list[int]]:
+    """The streams of the messages rank ``stage`` sends in an interleaved step, by destination rank, in the
+    order it sends them. Stream ``2 k`` carries virtual stage ``k``'s output to stage ``k + 1``, stream
+    ``2 k + 1`` the gradient of stage ``k + 1``'s input back to stage ``k``."""
+    size, last = num_stages, num_stages * num_chunks - 1
+    messages: dict[int, list[int]] = {}
+    for phase, chunk, _ in interleaved_order(num_stages, num_chunks, num_micro_batches, stage):
+        virtual = chunk * size + stage
+        if phase == "forward" and virtual < last:
+            messages.setdefault((virtual + 1) % size, []).append(2 * virtual)
+        elif phase == "backward" and virtual > 0:
+            messages.setdefault((virtual - 1) % size, []).append(2 * (virtual - 1) + 1)
+    return messages
+
+
+def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_output, last_stage_loss, after_step,
+                          timeline, payload):
+    """:func:`pipeline_schedule` with ``virtual_pipeline_size`` > 1: :func:`interleaved_order`'s order.
+
+    The user's ``micro_output.loss.backward()`` runs the backward of the micro-batch's last chunk on this rank
+    (the loss itself on the last rank); the schedule runs the backwards of the other chunks itself, fed the
+    gradients received, rescaled to the seed of that micro-batch's ``backward()`` on this rank (a loss scale)."""
+    size, chunks, count = context.pipeline_parallel_size, context.virtual_pipeline_size, num_micro_batches
+    stage = context.pipeline_parallel_rank
+    last_virtual = size * chunks - 1
+    link = StageLink(context, ring=True)
+    rank_of = context.pipeline_parallel_global_rank
+    link.expect(
+        {rank_of(peer): _interleaved_messages(size, chunks, count, peer).get(stage, []) for peer in range(size)},
+        {rank_of(peer): streams for peer, streams in _interleaved_messages(size, chunks, count, stage).items()})
+    received: dict[tuple[int, int], dict | None] = {}
+    results: dict[tuple[int, int], Any] = {}
+    seeds_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch: (loss value, this rank's seed)
+    scaled, done = False, 0
+
+    def forward(chunk: int, i: int) -> None:
+        virtual = chunk * size + stage
+        inputs = None
+        if virtual > 0:
+            inputs = dict(zip(payload, link.recv(link.prev, stream=2 * (virtual - 1)), strict=True))
+            for tensor in inputs.values():
+                if _trainable(tensor):
+                    tensor.requires_grad_(torch.is_grad_enabled())
+        start = time.perf_counter()
+        with context.rng.replicated():
+            result = stage_forward(i, inputs, virtual)
+        if virtual < last_virtual:
+            link.send(_payload_list(result, payload), link.next, stream=2 * virtual)
+        if timeline is not None:
+            timeline.append(TimelineEvent(i, "forward", start, time.perf_counter(), chunk))
+        received[chunk, i], results[chunk, i] = inputs, result
+
+    def received_gradients(chunk: int, i: int):
+        """The gradient of this chunk's outputs from the next virtual stage: ``(pairs, loss value, seed)``."""
+        virtual = chunk * size + stage
+        gradients, extra = link.recv(link.next, with_extra=True, stream=2 * virtual + 1)
+        loss_value, seed = extra.to(torch.float32).unbind()
+        outputs = _payload_list(results.pop((chunk, i)), payload)
+        pairs = [(output, gradient) for output, gradient in zip(outputs, gradients, strict=True)
+                 if gradient is not None and output.requires_grad]
+        return pairs, loss_value, seed
+
+    def send_gradients(chunk: int, i: int) -> None:
+        inputs = received.pop((chunk, i))
+        if chunk * size + stage == 0:
+            return
+        gradients = [None if not _trainable(tensor) else tensor.grad if tensor.grad is not None
+                     else torch.zeros_like(tensor) for tensor in inputs.values()]
+        loss_value, seed = seeds_of[i]
+        link.send(gradients, link.prev, extra=torch.stack([loss_value, seed.to(loss_value.dtype)]),
+                  stream=2 * (chunk * size + stage - 1) + 1)
+
+    try:
+        for phase, chunk, i in interleaved_order(size, chunks, count, stage):
+            if phase == "forward":
+                forward(chunk, i)
+                continue
+            if chunk < chunks - 1:  # the schedule's own backward, seeded as this micro-batch's last chunk was
+                pairs, _, seed = received_gradients(chunk, i)
+                start = time.perf_counter()
+                own = seeds_of[i][1]
+                if pairs:
+                    factor = None if torch.equal(own.to(seed.dtype), seed) else own.to(seed.dtype) / seed
+                    torch.autograd.backward(
+                        [output for output, _ in pairs],
+                        [gradient if factor is None else gradient * factor.to(gradient.dtype) for _, gradient in pairs])
+            else:  # the user's backward
+                seeds: list[torch.Tensor] = []
+                if chunk * size + stage == last_virtual:
+                    result = results.pop((chunk, i))
+                    loss = last_stage_loss(result)
+                    loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
+                    loss_value = loss.detach()
+                    start = time.perf_counter()
+                    yield micro_output(result, loss)
+                else:
+                    pairs, loss_value, seed = received_gradients(chunk, i)
+                    outputs, gradients = [output for output, _ in pairs], [gradient for _, gradient in pairs]
+                    loss = _ReceivedGradient.apply(loss_value, seed, seeds, len(pairs), *outputs, *gradients)
+                    start = time.perf_counter()
+                    yield micro_output(None, loss)
+                if not seeds:
+                    raise RuntimeError(
+                        f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
+                        "micro_output.loss.backward() on every output of the pipeline before taking the next one "
+                        "(all stages must run the same loop)."
+                    )
+                seeds_of[i] = (loss_value, seeds[0])
+                scaled = scaled or not bool((seeds[0] == 1).all())
+                done += 1
+            if timeline is not None:
+                timeline.append(TimelineEvent(i, "backward", start, time.perf_counter(), chunk))
+            send_gradients(chunk, i)
+    except GeneratorExit:  # the loop was left (break, or an exception in the user's loop body)
+        received.clear()
+        results.clear()
+        link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of {count} "
+                                    "micro-batches")
+        logger.warning(
+            "pipeline stage %d: the training step was left after %d of %d micro-batches; the other stages "
+            "stopped it too. The gradients hold only some of them (unreduced): call optimizer.zero_grad() "
+            "before the next step.", stage, done, count)
+        return
+    except BaseException as exc:
+        received.clear()
+        results.clear()
+        _end_failed(context, link, exc)
+        raise
+    failures = link.settle(STEP_OK)
+    if failures:
+        raise _stage_failures(context, failures)
+    after_step(scaled)

@@ -225,16 +225,16 @@ def check_generate(case: Case, path: str, tp: int, pp: int, rank: int, **options
     assert torch.equal(actual, expected), f"{case.name} sampling: {actual.tolist()} != {expected.tolist()}"
 
 
-def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str) -> None:
+def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str, **options) -> None:
     """Split save + reload at the same layout (the same weights); merged save read by transformers with
-    no missing or unexpected keys and the reference's tensors."""
+    no missing or unexpected keys and the reference's tensors (``options``: more build options)."""
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     split, merged = os.path.join(root, f"{case.key}-split"), os.path.join(root, f"{case.key}-merged")
     model.save_pretrained_with_parallel(split)
     model.save_pretrained_with_parallel(merged, save_with_merging=True)
     again = getattr(oslo, case.name).from_pretrained_with_parallel(
-        split, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        split, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     ours, reloaded = full_params(model), full_params(again)
     assert sorted(ours) == sorted(reloaded)
     for name, value in ours.items():
