@@ -1025,6 +1025,7 @@ def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_outpu
     results: dict[tuple[int, int], Any] = {}
     seeds_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch: (loss value, this rank's seed)
     scaled, done = False, 0
+    hand: list = []  # the micro-batch output yielded last: (chunk, i, its seeds, its loss value)
 
     def forward(chunk: int, i: int) -> None:
         virtual = chunk * size + stage
@@ -1085,13 +1086,16 @@ def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_outpu
                     loss.register_hook(lambda grad, seeds=seeds: seeds.append(grad.detach()) or grad)
                     loss_value = loss.detach()
                     start = time.perf_counter()
+                    hand[:] = [chunk, i, seeds, loss_value]
                     yield micro_output(result, loss)
                 else:
                     pairs, loss_value, seed = received_gradients(chunk, i)
                     outputs, gradients = [output for output, _ in pairs], [gradient for _, gradient in pairs]
                     loss = _ReceivedGradient.apply(loss_value, seed, seeds, len(pairs), *outputs, *gradients)
                     start = time.perf_counter()
+                    hand[:] = [chunk, i, seeds, loss_value]
                     yield micro_output(None, loss)
+                hand.clear()
                 if not seeds:
                     raise RuntimeError(
                         f"micro-batch {i} was not backpropagated on pipeline stage {stage}: call "
@@ -1105,6 +1109,11 @@ def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_outpu
                 timeline.append(TimelineEvent(i, "backward", start, time.perf_counter(), chunk))
             send_gradients(chunk, i)
     except GeneratorExit:  # the loop was left (break, or an exception in the user's loop body)
+        if hand and hand[2]:  # the micro-batch in hand was backpropagated: its gradient goes on
+            chunk, i, seeds, loss_value = hand
+            seeds_of[i] = (loss_value, seeds[0])
+            done += 1
+            send_gradients(chunk, i)
         received.clear()
         results.clear()
         link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of {count} "

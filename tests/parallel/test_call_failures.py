@@ -21,11 +21,11 @@ class Boom(RuntimeError):
     pass
 
 
-def build(tp: int, pp: int, layers: int = 4):
+def build(tp: int, pp: int, layers: int = 4, chunks: int = 1):
     torch.manual_seed(0)
     return oslo.GPT2LMHeadModel.from_config_with_parallel(
         tiny_gpt2_config(n_layer=layers), tensor_parallel_size=tp, pipeline_parallel_size=pp, timeout=300,
-        micro_batch_size=2,
+        micro_batch_size=2, virtual_pipeline_size=chunks,
     )
 
 
@@ -107,13 +107,13 @@ def test_an_error_on_every_rank_leaves_the_model_usable():
     assert outcomes[0][2] == pytest.approx(outcomes[1][2])
 
 
-def _reference_losses(rank, world_size, pp, calls):
-    model = build(tp=1, pp=pp)
+def _reference_losses(rank, world_size, pp, calls, chunks=1):
+    model = build(tp=1, pp=pp, chunks=chunks)
     return [train_step(model, batch(call)) for call in calls]
 
 
-def _stage_fails_mid_forward(rank, world_size, failing_stage):
-    model = build(tp=1, pp=2)
+def _stage_fails_mid_forward(rank, world_size, failing_stage, chunks=1):
+    model = build(tp=1, pp=2, chunks=chunks)
     calls = [0]
     stage = model.parallel_context.pipeline_parallel_rank
     block = 0 if stage == 0 else 3
@@ -128,12 +128,14 @@ def _stage_fails_mid_forward(rank, world_size, failing_stage):
     return outcomes
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["1F1B", "interleaved"])
 @pytest.mark.parametrize("failing_stage", [0, 1])
-def test_a_stage_failing_mid_forward_is_skippable(failing_stage):
+def test_a_stage_failing_mid_forward_is_skippable(failing_stage, chunks):
     """"Skip the bad batch" at pp=2: the failing stage raises its error, the other one learns it
     (naming the stage), and the next step trains as if the failed one had not happened — weights
-    included, since the optimizer never stepped: the losses equal a run without the failed batch."""
-    outcomes = run_distributed(_stage_fails_mid_forward, 2, failing_stage, timeout=TIMEOUT)
+    included, since the optimizer never stepped: the losses equal a run without the failed batch. The same
+    with two chunks per stage (interleaved 1F1B: the stages form a ring, several streams share a link)."""
+    outcomes = run_distributed(_stage_fails_mid_forward, 2, failing_stage, chunks, timeout=TIMEOUT)
     for stage, (first, second, third) in enumerate(outcomes):
         assert isinstance(first, float) and isinstance(third, float)
         if stage == failing_stage:
@@ -142,12 +144,12 @@ def test_a_stage_failing_mid_forward_is_skippable(failing_stage):
             assert second[0] == "PipelineAbortedError" and f"stage {failing_stage}" in second[1]
     # The failed step's partial gradients are left in .grad (as on one process); this loop never steps,
     # so the losses of calls 0 and 2 are those of a clean run.
-    reference = run_distributed(_reference_losses, 2, 2, [0, 2], timeout=TIMEOUT)
+    reference = run_distributed(_reference_losses, 2, 2, [0, 2], chunks, timeout=TIMEOUT)
     assert outcomes[0][0] == pytest.approx(reference[0][0]) and outcomes[0][2] == pytest.approx(reference[0][1])
 
 
-def _abandoned_loop(rank, world_size, then):
-    model = build(tp=1, pp=2)
+def _abandoned_loop(rank, world_size, then, chunks=1):
+    model = build(tp=1, pp=2, chunks=chunks)
     for micro_output in model(**batch(0)):
         micro_output.loss.backward()
         break  # every rank leaves the loop after the first micro-batch
@@ -157,17 +159,18 @@ def _abandoned_loop(rank, world_size, then):
     return train_step(model, batch(1))
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["1F1B", "interleaved"])
 @pytest.mark.parametrize("then", ["train", "eval"])
-def test_a_loop_left_half_way_does_not_hang_the_next_call(then):
-    losses = run_distributed(_abandoned_loop, 2, then, timeout=TIMEOUT)
-    reference = run_distributed(_reference_losses, 2, 2, [1], timeout=TIMEOUT)
+def test_a_loop_left_half_way_does_not_hang_the_next_call(then, chunks):
+    losses = run_distributed(_abandoned_loop, 2, then, chunks, timeout=TIMEOUT)
+    reference = run_distributed(_reference_losses, 2, 2, [1], chunks, timeout=TIMEOUT)
     assert losses[0] == pytest.approx(losses[1])
     if then == "train":
         assert losses[0] == pytest.approx(reference[0][0])
 
 
-def _one_stage_leaves_the_loop(rank, world_size):
-    model = build(tp=1, pp=2)
+def _one_stage_leaves_the_loop(rank, world_size, chunks=1):
+    model = build(tp=1, pp=2, chunks=chunks)
     stage = model.parallel_context.pipeline_parallel_rank
     try:
         for micro_output in model(**batch(0)):
@@ -180,8 +183,9 @@ def _one_stage_leaves_the_loop(rank, world_size):
     return outcome, train_step(model, batch(1))
 
 
-def test_a_stage_leaving_the_loop_alone_stops_the_others():
-    (first, loss0), (last, loss1) = run_distributed(_one_stage_leaves_the_loop, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("chunks", [1, 2], ids=["1F1B", "interleaved"])
+def test_a_stage_leaving_the_loop_alone_stops_the_others(chunks):
+    (first, loss0), (last, loss1) = run_distributed(_one_stage_leaves_the_loop, 2, chunks, timeout=TIMEOUT)
     assert "stage 1" in first and "left the step" in first
     assert last == "finished"
     assert loss0 == pytest.approx(loss1)

@@ -217,3 +217,23 @@ def test_interleaved_with_tensor_sequence_and_data_parallelism(zoo_checkpoints, 
         assert params
         for name, value in params.items():
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
+
+
+def _split_checkpoint_across_chunks(rank, world_size, path, saved):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2,
+                                                               virtual_pipeline_size=2)
+    model.save_pretrained_with_parallel(saved)
+    return [full_params(oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        saved, pipeline_parallel_size=2, virtual_pipeline_size=chunks)) for chunks in (1, 2, 3)]
+
+
+def test_a_split_checkpoint_loads_at_another_virtual_pipeline_size(tmp_path):
+    """Saved split with two chunks per stage (stage 0 holds the first and third of four pieces), loaded with
+    one, two and three: every rank holds the checkpoint's weights."""
+    path = _six_layer_checkpoint("gpt2", tmp_path)
+    expected = dict(transformers.GPT2LMHeadModel.from_pretrained(path).named_parameters(remove_duplicate=False))
+    for loads in run_distributed(_split_checkpoint_across_chunks, 2, path, str(tmp_path / "split"), timeout=120):
+        for params in loads:
+            assert params
+            for name, value in params.items():
+                assert torch.equal(value, expected[name]), name
