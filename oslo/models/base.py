@@ -187,11 +187,12 @@ class OsloPreTrainedModel(PreTrainedModel):
             if not self._supports_sequence_parallel:
                 raise NotImplementedError(
                     f"{type(self).__name__} does not support sequence parallelism yet (its parallel_context was made "
-                    "with sequence_parallel=True): the decoder-only classes (GPT2, GPT-Neo, Llama, Qwen2, Mistral) "
+                    "with sequence_parallel=True): GPT2, GPT-Neo, BERT and the Llama family (Llama, Qwen2, Mistral) "
                     "do. Use a context made with sequence_parallel=False."
                 )
             body = self.base_model
-            sequence.shard_sequences(self, body, getattr(body, body.norm_attribute, None))
+            norm_attribute = getattr(body, "norm_attribute", None)  # BERT's layers end with their own norms
+            sequence.shard_sequences(self, body, getattr(body, norm_attribute, None) if norm_attribute else None)
         if self.parallel_context.pipeline_parallel_size == 1:
             return
         for module in reversed(list(self.modules())):  # a body before the model holding it
@@ -660,8 +661,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 :class:`~oslo.deployment.DeployedModel` that drives them. See :mod:`oslo.deployment`.
             sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
-                the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
-                family) have it. See :mod:`oslo.parallel.sequence`.
+                the sequence across the tensor-parallel ranks. GPT2, GPT-Neo, BERT and the Llama
+                family have it. See :mod:`oslo.parallel.sequence`.
             virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
                 ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
                 interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs
@@ -739,8 +740,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 ``ValueError`` under a launcher. See :mod:`oslo.deployment`.
             sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
-                the sequence across the tensor-parallel ranks. The decoder-only classes (GPT2, GPT-Neo, the Llama
-                family) have it. See :mod:`oslo.parallel.sequence`.
+                the sequence across the tensor-parallel ranks. GPT2, GPT-Neo, BERT and the Llama
+                family have it. See :mod:`oslo.parallel.sequence`.
             virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
                 ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
                 interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs

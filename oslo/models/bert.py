@@ -72,7 +72,7 @@ from oslo.models.heads import (
     vocabulary_loss,
 )
 from oslo.models.runner import forward_with_head
-from oslo.parallel.context import ParallelContext
+from oslo.parallel.context import ParallelContext, SequenceSharding
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
@@ -81,8 +81,14 @@ from oslo.parallel.layers import (
     VocabParallelLMHead,
 )
 from oslo.parallel.loss import LossSum, check_labels
-from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
+from oslo.parallel.mappings import (
+    enter_tensor_parallel,
+    gather_from_tensor_parallel,
+    keep_sequence_shards,
+    scatter_to_tensor_parallel,
+)
 from oslo.parallel.pipeline import StageLayers
+from oslo.parallel.sequence import splits_sequences
 
 
 def _activation(hidden_act) -> Callable:
@@ -166,6 +172,7 @@ class BertSelfAttention(nn.Module):
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
         self.fused = False
+        self.sequence = None  # under sequence parallelism: see oslo.parallel.sequence
 
         hidden = config.hidden_size
         self.query = ColumnParallelLinear(hidden, hidden, parallel_context=parallel_context)
@@ -178,7 +185,8 @@ class BertSelfAttention(nn.Module):
 
     def _heads(self, layer: ColumnParallelLinear, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's heads of one projection, ``(B, nh_local, T, hs)``. The input already went through
-        ``copy_to_tensor_parallel`` once for q, k and v (one all-reduce backward instead of three)."""
+        ``enter_tensor_parallel`` once for q, k and v (one all-reduce backward instead of three; under sequence
+        parallelism one all-gather of the shards)."""
         batch, length, _ = hidden_states.shape
         out = layer(hidden_states, input_is_copied=True)
         return out.view(batch, length, -1, self.attention_head_size).transpose(1, 2)
@@ -191,8 +199,8 @@ class BertSelfAttention(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, length, _ = hidden_states.shape
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
+        batch, length, _ = shared.shape  # the whole sequence (gathered from the shards under sequence parallelism)
         query = self._heads(self.query, shared)
         key = self._heads(self.key, shared)
         value = self._heads(self.value, shared)
@@ -426,6 +434,7 @@ class BertPreTrainedModel(OsloPreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _supports_pipeline_parallel = True
+    _supports_sequence_parallel = True  # the layers' norms and residual stream on sequence shards
     supports_gradient_checkpointing = True
     # Older checkpoints saved the position_ids buffer.
     _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids"]
@@ -584,6 +593,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
         else:
             mask = create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask)
         return BodyState(
+            sequence_sharded=splits_sequences(self.parallel_context, length),
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
             position_ids=position_ids, past_length=past_length, attention_mask=mask,
             cache=cache, use_cache=use_cache, output_attentions=output_attentions,
@@ -597,28 +607,46 @@ class BertModel(StagedBody, BertPreTrainedModel):
             input_ids=state.input_ids, token_type_ids=state.token_type_ids, position_ids=state.position_ids,
             inputs_embeds=state.inputs_embeds, past_key_values_length=state.past_length,
         )
+        if state.sequence_sharded:  # this rank's shard of the sequence through the layers
+            hidden_states = scatter_to_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                                       SequenceSharding.dim)
         return {"hidden_states": hidden_states}
+
+    def _whole(self, hidden_states: torch.Tensor, state: BodyState) -> torch.Tensor:
+        """``hidden_states`` with the whole sequence (gathered from the shards under sequence parallelism)."""
+        if not state.sequence_sharded:
+            return hidden_states
+        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                           SequenceSharding.dim)
 
     def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = payload["hidden_states"]
-        for layer in self.encoder.layer:
-            if state.hidden_states is not None:
-                state.hidden_states += (hidden_states,)
-            hidden_states, attn_weights = layer(
-                hidden_states,
-                attention_mask=state.attention_mask,
-                cache=state.cache,
-                output_attentions=state.output_attentions,
-                **state.kwargs,
-            )
-            if state.attentions is not None:
-                state.attentions += (attn_weights,)
+        sequence = self.parallel_context.sequence
+        if sequence.enabled:  # the layers run whole in this call when it is not split (see SequenceSharding)
+            sequence.suspended = not state.sequence_sharded
+        try:
+            with keep_sequence_shards() if state.sequence_sharded else nullcontext():
+                for layer in self.encoder.layer:
+                    if state.hidden_states is not None:
+                        state.hidden_states += (self._whole(hidden_states, state),)
+                    hidden_states, attn_weights = layer(
+                        hidden_states,
+                        attention_mask=state.attention_mask,
+                        cache=state.cache,
+                        output_attentions=state.output_attentions,
+                        **state.kwargs,
+                    )
+                    if state.attentions is not None:
+                        state.attentions += (attn_weights,)
+        finally:
+            if sequence.enabled:
+                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
         return {"hidden_states": hidden_states}
 
     def finish(
         self, payload: dict[str, torch.Tensor], state: BodyState
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
-        sequence_output = payload["hidden_states"]
+        sequence_output = self._whole(payload["hidden_states"], state)
         if state.hidden_states is not None:
             state.hidden_states += (sequence_output,)
         return BaseModelOutputWithPoolingAndCrossAttentions(
