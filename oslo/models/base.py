@@ -143,7 +143,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     """
 
     _supports_pipeline_parallel = False
-    _supports_sequence_parallel = False  # sequence_parallel=True: the decoder-only bodies (oslo.parallel.sequence)
+    _supports_sequence_parallel = False  # sequence_parallel=True: its layers run on shards (oslo.parallel.sequence)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -187,8 +187,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             if not self._supports_sequence_parallel:
                 raise NotImplementedError(
                     f"{type(self).__name__} does not support sequence parallelism yet (its parallel_context was made "
-                    "with sequence_parallel=True): GPT2, GPT-Neo, BERT and the Llama family (Llama, Qwen2, Mistral) "
-                    "do. Use a context made with sequence_parallel=False."
+                    "with sequence_parallel=True): oslo's classes (GPT2, GPT-Neo, BERT, T5, the Llama family) do. "
+                    "Use a context made with sequence_parallel=False."
                 )
             body = self.base_model
             norm_attribute = getattr(body, "norm_attribute", None)  # BERT's layers end with their own norms
@@ -661,8 +661,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 :class:`~oslo.deployment.DeployedModel` that drives them. See :mod:`oslo.deployment`.
             sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
-                the sequence across the tensor-parallel ranks. GPT2, GPT-Neo, BERT and the Llama
-                family have it. See :mod:`oslo.parallel.sequence`.
+                the sequence across the tensor-parallel ranks. Every oslo class has it. See
+                :mod:`oslo.parallel.sequence`.
             virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
                 ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
                 interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs
@@ -740,8 +740,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 ``ValueError`` under a launcher. See :mod:`oslo.deployment`.
             sequence_parallel: Megatron's sequence parallelism at ``tensor_parallel_size`` > 1: the activations
                 between the tensor-parallel regions of each block (norms, dropout, residual adds) are split along
-                the sequence across the tensor-parallel ranks. GPT2, GPT-Neo, BERT and the Llama
-                family have it. See :mod:`oslo.parallel.sequence`.
+                the sequence across the tensor-parallel ranks. Every oslo class has it. See
+                :mod:`oslo.parallel.sequence`.
             virtual_pipeline_size: Chunks of layers per pipeline stage (interleaved 1F1B): each stage holds
                 ``virtual_pipeline_size`` non-contiguous pieces of the model and a training step runs the
                 interleaved schedule, whose idle time is about ``1 / virtual_pipeline_size`` of 1F1B's. Needs

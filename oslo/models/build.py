@@ -91,8 +91,8 @@ def validate_sequence_parallel(cls: type[OsloPreTrainedModel], sequence_parallel
         raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}.")
     if sequence_parallel and not cls._supports_sequence_parallel:
         raise NotImplementedError(
-            f"{cls.__name__} does not support sequence_parallel=True yet: GPT2, GPT-Neo, BERT and the Llama family "
-            "(Llama, Qwen2, Mistral) do. Build it with sequence_parallel=False."
+            f"{cls.__name__} does not support sequence_parallel=True yet: oslo's classes (GPT2, GPT-Neo, BERT, T5, "
+            "the Llama family) do. Build it with sequence_parallel=False."
         )
     return sequence_parallel
 

@@ -29,6 +29,7 @@ merged ones load back in transformers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from contextlib import nullcontext
@@ -64,7 +65,7 @@ from oslo.models.heads import (
     seq2seq_body_inputs,
 )
 from oslo.models.stages import running_stage
-from oslo.parallel.context import ParallelContext
+from oslo.parallel.context import ParallelContext, SequenceSharding
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelEmbedding,
@@ -72,8 +73,15 @@ from oslo.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from oslo.parallel.mappings import copy_to_tensor_parallel, gather_from_tensor_parallel
+from oslo.parallel.mappings import (
+    copy_to_tensor_parallel,
+    enter_tensor_parallel,
+    gather_from_tensor_parallel,
+    keep_sequence_shards,
+    scatter_to_tensor_parallel,
+)
 from oslo.parallel.pipeline import StageLayers, StageLink, pipeline_pass
+from oslo.parallel.sequence import splits_sequences
 
 # transformers' bucketing of relative positions (a pure function of positions and the config)
 relative_position_bucket = _TransformersT5Attention._relative_position_bucket
@@ -152,10 +160,12 @@ class T5DenseGatedActDense(nn.Module):
         self.act = ACT2FN[config.dense_act_fn]
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.sequence = None  # under sequence parallelism: see oslo.parallel.sequence
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # One copy into the tensor-parallel region for both input projections: one all-reduce backward.
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
+        # One copy into the tensor-parallel region for both input projections: one all-reduce backward (under
+        # sequence parallelism one all-gather of the shards).
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
         hidden_gelu = self.act(self.wi_0(shared, input_is_copied=True))
         hidden_states = hidden_gelu * self.wi_1(shared, input_is_copied=True)  # (B, T, d_ff_local)
         with self.rng.split():
@@ -201,6 +211,7 @@ class T5Attention(nn.Module):
         self.cache_idx = cache_idx
         self.rng = parallel_context.rng
         self.tensor_parallel_group = parallel_context.tensor_parallel_group
+        self.sequence = None  # under sequence parallelism: see oslo.parallel.sequence
         inner = config.num_heads * config.d_kv
         self.q = ColumnParallelLinear(config.d_model, inner, bias=False, parallel_context=parallel_context)
         self.k = ColumnParallelLinear(config.d_model, inner, bias=False, parallel_context=parallel_context)
@@ -225,8 +236,8 @@ class T5Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``key_value_states``: the encoder's output, already copied into the tensor-parallel region
         (cross-attention). Returns this layer's output and the attention weights (all heads)."""
-        batch, length, _ = hidden_states.shape
-        shared = copy_to_tensor_parallel(hidden_states, self.tensor_parallel_group)
+        shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
+        batch, length, _ = shared.shape  # the whole sequence (gathered from the shards under sequence parallelism)
         query = self._heads(self.q, shared)  # (B, nh_local, T, d_kv)
         is_cross_attention = key_value_states is not None
         is_updated = False
@@ -386,6 +397,7 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _supports_pipeline_parallel = True
+    _supports_sequence_parallel = True  # the blocks' norms and residual streams on sequence shards
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_load_unexpected = [r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias"]
     _id_inputs = {"input_ids": "vocab_size", "inputs": "vocab_size", "decoder_input_ids": "vocab_size"}
@@ -539,6 +551,9 @@ class _T5Stacks(StagedBody):
                                                      attention_mask=attention_mask)
         decoder_fields = self.decoder is not None and not encoder_only
         state = BodyState(
+            encoder_sharded=encoder_last_hidden_state is None and splits_sequences(self.parallel_context,
+                                                                                   encoder_embeds.shape[1]),
+            decoder_sharded=False,
             input_ids=input_ids, inputs_embeds=inputs_embeds, encoder_mask=encoder_mask,
             encoder_last_hidden_state=encoder_last_hidden_state, encoder_only=encoder_only or self.decoder is None,
             output_attentions=output_attentions, use_cache=False, cache=None,
@@ -564,6 +579,7 @@ class _T5Stacks(StagedBody):
             cache = self._new_cache()
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         decoder_embeds = stand_in_embeds(decoder_input_ids, decoder_inputs_embeds, dtype, device)
+        state.decoder_sharded = splits_sequences(self.parallel_context, decoder_embeds.shape[1])
         state.past_length = self_cache.get_seq_length() if self_cache is not None else 0
         state.decoder_input_ids, state.decoder_inputs_embeds = decoder_input_ids, decoder_inputs_embeds
         state.decoder_mask = create_causal_mask(self.decoder.config, decoder_embeds, decoder_attention_mask,
@@ -582,7 +598,39 @@ class _T5Stacks(StagedBody):
             return self._payload(encoder_hidden_states=state.encoder_last_hidden_state)
         inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.encoder.embed_tokens(
             state.input_ids)
-        return self._payload(hidden_states=self.encoder.dropout(inputs_embeds))  # (B, T, d_model)
+        hidden_states = self._shard(self.encoder.dropout(inputs_embeds), state.encoder_sharded)  # (B, T, d_model)
+        return self._payload(hidden_states=hidden_states)
+
+    # ---- sequence parallelism: each stack's blocks run on sequence shards (oslo.parallel.sequence) -------------
+    def _shard(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """This rank's shard of ``hidden_states`` along the sequence when the stack's sequence is ``sharded``."""
+        if not sharded:
+            return hidden_states
+        return scatter_to_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                          SequenceSharding.dim)
+
+    def _whole(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """``hidden_states`` with the whole sequence (gathered from the shards when ``sharded``)."""
+        if not sharded:
+            return hidden_states
+        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                           SequenceSharding.dim)
+
+    def _length(self, hidden_states: torch.Tensor, sharded: bool) -> int:
+        return hidden_states.shape[1] * (self.parallel_context.tensor_parallel_size if sharded else 1)
+
+    @contextlib.contextmanager
+    def _blocks_on(self, sharded: bool):
+        """Run a stack's blocks on shards (their gathered inputs kept as shards for the backward), or whole."""
+        sequence = self.parallel_context.sequence
+        if sequence.enabled:
+            sequence.suspended = not sharded
+        try:
+            with keep_sequence_shards() if sharded else nullcontext():
+                yield
+        finally:
+            if sequence.enabled:
+                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
 
     def run_layers(self, payload: dict[str, torch.Tensor | None], state: BodyState) -> dict[str, torch.Tensor | None]:
         hidden_states, encoder_output = payload["hidden_states"], payload.get("encoder_hidden_states")
@@ -590,17 +638,21 @@ class _T5Stacks(StagedBody):
         hidden_field, attentions_field = state.encoder_fields
         if encoder_output is None and len(self.encoder.block):
             table = encoder_table if encoder_table is not None else self.encoder.position_table()
-            length = hidden_states.shape[1]
+            sharded = state.encoder_sharded
+            length = self._length(hidden_states, sharded)
             position_bias = relative_position_bias(table, length, length, 0, True, self.config)  # (1, nh, T, T)
-            for block in self.encoder.block:
-                if getattr(state, hidden_field) is not None:
-                    setattr(state, hidden_field, getattr(state, hidden_field) + (hidden_states,))
-                hidden_states, weights, _ = block(hidden_states, state.encoder_mask, position_bias,
-                                                  output_attentions=state.output_attentions)
-                if getattr(state, attentions_field) is not None and weights is not None:
-                    setattr(state, attentions_field, getattr(state, attentions_field) + (weights,))
+            with self._blocks_on(sharded):
+                for block in self.encoder.block:
+                    if getattr(state, hidden_field) is not None:
+                        setattr(state, hidden_field, getattr(state, hidden_field) + (self._whole(hidden_states,
+                                                                                                  sharded),))
+                    hidden_states, weights, _ = block(hidden_states, state.encoder_mask, position_bias,
+                                                      output_attentions=state.output_attentions)
+                    if getattr(state, attentions_field) is not None and weights is not None:
+                        setattr(state, attentions_field, getattr(state, attentions_field) + (weights,))
             encoder_table = table
-            if self.encoder.ends_here:
+            if self.encoder.ends_here:  # the encoder's output whole: the decoder's cross-attentions read all of it
+                hidden_states = self._whole(hidden_states, sharded)
                 hidden_states = self.encoder.dropout(self.encoder.final_layer_norm(hidden_states))
                 if getattr(state, hidden_field) is not None:
                     setattr(state, hidden_field, getattr(state, hidden_field) + (hidden_states,))
@@ -611,28 +663,30 @@ class _T5Stacks(StagedBody):
             return self._payload(hidden_states=hidden_states, encoder_hidden_states=encoder_output,
                                  encoder_position_table=encoder_table, decoder_position_table=decoder_table)
 
+        sharded = state.decoder_sharded
         if self.decoder.starts_here:
             embeds = (state.decoder_inputs_embeds if state.decoder_inputs_embeds is not None
                       else self.decoder.embed_tokens(state.decoder_input_ids))
-            hidden_states = self.decoder.dropout(embeds)
+            hidden_states = self._shard(self.decoder.dropout(embeds), sharded)
         table = decoder_table if decoder_table is not None else self.decoder.position_table()
-        length, past = hidden_states.shape[1], state.past_length
+        length, past = self._length(hidden_states, sharded), state.past_length
         position_bias = relative_position_bias(table, length, past + length, past, False, self.config)
         heads = table.shape[1]
         cross_position_bias = torch.zeros((1, heads, length, encoder_output.shape[1]), device=hidden_states.device,
                                           dtype=hidden_states.dtype)
         # The encoder's output enters the tensor-parallel region once for all of this stage's cross-attentions.
         encoder_states = copy_to_tensor_parallel(encoder_output, self.parallel_context.tensor_parallel_group)
-        for block in self.decoder.block:
-            if state.decoder_hidden_states is not None:
-                state.decoder_hidden_states += (hidden_states,)
-            hidden_states, self_weights, cross_weights = block(
-                hidden_states, state.decoder_mask, position_bias, encoder_states, state.cross_mask,
-                cross_position_bias, cache=state.cache, output_attentions=state.output_attentions)
-            if state.decoder_attentions is not None and self_weights is not None:
-                state.decoder_attentions += (self_weights,)
-            if state.cross_attentions is not None and cross_weights is not None:
-                state.cross_attentions += (cross_weights,)
+        with self._blocks_on(sharded):
+            for block in self.decoder.block:
+                if state.decoder_hidden_states is not None:
+                    state.decoder_hidden_states += (self._whole(hidden_states, sharded),)
+                hidden_states, self_weights, cross_weights = block(
+                    hidden_states, state.decoder_mask, position_bias, encoder_states, state.cross_mask,
+                    cross_position_bias, cache=state.cache, output_attentions=state.output_attentions)
+                if state.decoder_attentions is not None and self_weights is not None:
+                    state.decoder_attentions += (self_weights,)
+                if state.cross_attentions is not None and cross_weights is not None:
+                    state.cross_attentions += (cross_weights,)
         return self._payload(hidden_states=hidden_states, encoder_hidden_states=encoder_output,
                              decoder_position_table=None if self.decoder.ends_here else table)
 
@@ -642,7 +696,8 @@ class _T5Stacks(StagedBody):
                 last_hidden_state=payload["hidden_states"], hidden_states=getattr(state, state.encoder_fields[0]),
                 attentions=getattr(state, state.encoder_fields[1]), cross_attentions=() if state.output_attentions
                 else None)
-        hidden_states = self.decoder.dropout(self.decoder.final_layer_norm(payload["hidden_states"]))
+        hidden_states = self._whole(payload["hidden_states"], state.decoder_sharded)
+        hidden_states = self.decoder.dropout(self.decoder.final_layer_norm(hidden_states))
         if state.decoder_hidden_states is not None:
             state.decoder_hidden_states += (hidden_states,)
         return Seq2SeqModelOutput(

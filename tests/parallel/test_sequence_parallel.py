@@ -28,15 +28,16 @@ def _anchor(arch: str) -> zoo.Case:
 
 
 def _shard_lengths(case: zoo.Case, path: str, tp: int, pp: int) -> set[int]:
-    """The sequence lengths the layers of this stage receive in a training call (10 tokens a row)."""
+    """The sequence lengths the layers of this stage receive in a training call."""
     from oslo.parallel.pipeline import StageLayers
 
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=zoo.MICRO_BATCH_SIZE,
         sequence_parallel=True).train()
     lengths = set()
-    for layer in next(m for m in model.modules() if isinstance(m, StageLayers)):
-        layer.register_forward_pre_hook(lambda module, args: lengths.add(args[0].shape[1]))
+    for layers in [m for m in model.modules() if isinstance(m, StageLayers)]:  # T5: the encoder's and the decoder's
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda module, args: lengths.add(args[0].shape[1]))
     batch = case.batch()
     if pp == 1:
         case.loss(model(**batch)).backward()
@@ -48,14 +49,16 @@ def _shard_lengths(case: zoo.Case, path: str, tp: int, pp: int) -> set[int]:
 
 def _check(rank, world_size, arch, path, tp, pp):
     case = _anchor(arch)
-    assert _shard_lengths(case, path, tp, pp) == {case.batch()["input_ids"].shape[1] // tp}
+    lengths = _shard_lengths(case, path, tp, pp)  # the encoder's and the decoder's (labels) sequences, split
+    whole = {value.shape[-1] for name, value in case.batch().items() if name in ("input_ids", "labels")}
+    assert lengths and lengths <= {length // tp for length in whole}, (lengths, whole)
     zoo.check_parity(case, path, tp, pp, sequence_parallel=True)
     if case.generate:
         zoo.check_generate(case, path, tp, pp, rank, sequence_parallel=True)  # decoding steps (length 1) run whole
     return zoo.run_training(rank, world_size, arch, case.name, path, tp, pp, False, sequence_parallel=True)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "t5"])
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2-pp2"])
 def test_sequence_parallel_equals_one_process(zoo_checkpoints, arch, tp, pp):
     case = _anchor(arch)
@@ -145,8 +148,9 @@ def _saved_in_blocks(rank, world_size, arch, sequence_parallel):
 
     case = _anchor(arch)
     config = case.config()
-    if getattr(config, "intermediate_size", None) == world_size * config.hidden_size:  # (BERT's): an MLP activation
-        config.intermediate_size = 3 * config.hidden_size  # of the model's width would pass for a gathered input
+    for field in ("intermediate_size", "d_ff"):  # (BERT's, T5's): an MLP activation of the model's width would
+        if getattr(config, field, None) == world_size * config.hidden_size:  # pass for a gathered input
+            setattr(config, field, 3 * config.hidden_size)
     model = getattr(oslo, case.name).from_config_with_parallel(
         config, tensor_parallel_size=world_size, seed=0, sequence_parallel=sequence_parallel).train()
     inside, seen, shapes = [False], set(), []
@@ -170,7 +174,7 @@ def _saved_in_blocks(rank, world_size, arch, sequence_parallel):
     return shapes, backward.counts["all_gather"], batch["input_ids"].shape, model.config.hidden_size
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "t5", "llama"])
 def test_blocks_keep_only_shards_of_their_gathered_inputs(arch):
     """A column-parallel layer's input, gathered from the sequence shards, is kept for the backward as the shard
     and gathered again there (Megatron's saving): nothing saved inside a block has the whole sequence at the model's
@@ -207,8 +211,10 @@ def test_odd_lengths_and_fuse_are_refused_on_every_rank(tmp_path):
 
 
 def test_classes_without_it_are_refused(tmp_path):
-    with pytest.raises(NotImplementedError, match="T5Model does not support sequence_parallel=True"):
-        oslo.T5Model.from_config_with_parallel(
-            next(case for case in zoo.cases_of("t5")).config(), sequence_parallel=True)
+    class Plain(oslo.GPT2LMHeadModel):  # a class that does not declare it (a user's model, say)
+        _supports_sequence_parallel = False
+
+    with pytest.raises(NotImplementedError, match="Plain does not support sequence_parallel=True"):
+        Plain.from_config_with_parallel(zoo.cases_of("gpt2")[0].config(), sequence_parallel=True)
     with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
         oslo.GPT2LMHeadModel.from_config_with_parallel(zoo.cases_of("gpt2")[0].config(), sequence_parallel="yes")
