@@ -9,7 +9,9 @@ all-reduced them.
 ``from_pretrained_with_parallel`` / ``from_config_with_parallel``). The body splits its embeddings' output
 along the sequence and gathers its final norm's output, so heads and losses see whole sequences; a replicated
 parameter applied to shards (a norm's, a row-parallel layer's bias) gets its gradient summed over the
-tensor-parallel group, Megatron's rule.
+tensor-parallel group, Megatron's rule, and a dropout applied to shards draws its masks from the stream
+distinct per rank (:class:`ShardDropout`). What autograd keeps of a gathered input is the shard
+(:func:`~oslo.parallel.mappings.keep_sequence_shards`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.pipeline import StageLayers
 
-__all__ = ["shard_sequences", "splits_sequences"]
+__all__ = ["ShardDropout", "shard_sequences", "splits_sequences"]
 
 
 def shard_sequences(model: nn.Module, body: nn.Module, norm: nn.Module | None) -> None:
@@ -42,6 +44,23 @@ def shard_sequences(model: nn.Module, body: nn.Module, norm: nn.Module | None) -
                 module.sequence = context.sequence
             if replicated := _applied_to_shards(module):
                 module.__dict__["_oslo_sequence_summed"] = (replicated, group)
+            if type(module) is nn.Dropout:
+                module.__class__ = ShardDropout
+                module.__dict__["_oslo_sequence"], module.__dict__["_oslo_rng"] = context.sequence, context.rng
+
+
+class ShardDropout(nn.Dropout):
+    """An ``nn.Dropout`` of a block under sequence parallelism: while the block runs on sequence shards its masks
+    come from the random stream distinct per tensor-parallel rank, since each rank's shard holds other positions
+    (Megatron draws them so); from the replicated one otherwise. A dropout already inside the distinct stream
+    (the attention's, over this rank's heads) is unchanged. :func:`shard_sequences` makes a block's dropouts
+    this class."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training and self.p > 0 and self._oslo_sequence.active:
+            with self._oslo_rng.split():
+                return super().forward(input)
+        return super().forward(input)
 
 
 def _applied_to_shards(module: nn.Module) -> tuple[str, ...]:

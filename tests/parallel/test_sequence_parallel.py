@@ -192,6 +192,32 @@ def test_blocks_keep_only_shards_of_their_gathered_inputs(arch):
     assert whole[True] == [], whole[True]
 
 
+def _residual_dropout_masks(rank, world_size, arch):
+    """The mask of the first block's residual dropout on this rank's shard (dropout 0.5 there, 0 elsewhere)."""
+    from oslo.parallel.pipeline import StageLayers
+
+    case = _anchor(arch)
+    config = case.config()
+    config.resid_pdrop = 0.5
+    model = getattr(oslo, case.name).from_config_with_parallel(
+        config, tensor_parallel_size=world_size, seed=0, sequence_parallel=True).train()
+    block = next(iter(next(m for m in model.modules() if isinstance(m, StageLayers))))
+    masks = []
+    block.attn.resid_dropout.register_forward_hook(lambda module, args, out: masks.append(out == 0))
+    ids = torch.randint(3, config.vocab_size, (4, 10), generator=torch.Generator().manual_seed(0))  # no padding
+    model(input_ids=ids, labels=ids).loss.backward()
+    return masks[0]
+
+
+def test_dropout_on_shards_draws_distinct_masks_per_rank():
+    """Each rank's shard holds other positions of the sequence: its residual dropout masks are its own (drawn from
+    the stream distinct per rank, as Megatron does), not one pattern repeated over the shards."""
+    first, second = run_distributed(_residual_dropout_masks, 2, "gpt2")
+    assert first.shape == second.shape and first.shape[1] == 5
+    assert 0.3 < first.float().mean() < 0.7 and 0.3 < second.float().mean() < 0.7  # dropout 0.5 applied
+    assert not torch.equal(first, second)
+
+
 def _refusals(rank, world_size, path):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, sequence_parallel=True)
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
