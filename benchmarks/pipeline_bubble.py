@@ -202,60 +202,40 @@ def simulate_1f1b(p: int, m: int, t_f: float, t_b: float, latency: dict[str, flo
     """Idle fraction (every stage alike) of oslo's 1F1B order with stage times ``t_f``/``t_b`` and latencies.
 
     Each stage runs its operations in the schedule's order (``p - s`` warm-up forwards, none on the
-    last stage, then one
-    forward and one backward alternately, then the remaining backwards). An operation that receives
-    (forward ``i`` from the previous stage's forward ``i``; backward ``i`` from the next stage's
-    backward ``i``) starts at ``max(sent + on-time latency, stage free + late latency)``, with the
-    latencies of :func:`_probe_latency`; the others start when the stage is free (the last stage's
-    backward ``i`` right after its forward ``i``). Without latencies every stage is idle
+    last stage, then one forward and one backward alternately, then the remaining backwards); see
+    :func:`_simulate` for when an operation starts. Without latencies every stage is idle
     ``(p - 1) / (m + p - 1)``.
     """
-    latency = latency or {}
     orders = []
     for s in range(p):
         warmup = 0 if s == p - 1 else min(p - s, m)
-        order = [("forward", i) for i in range(warmup)]
+        order = [("forward", 0, i) for i in range(warmup)]
         for i in range(m):
             if i + warmup < m:
-                order.append(("forward", i + warmup))
-            order.append(("backward", i))
+                order.append(("forward", 0, i + warmup))
+            order.append(("backward", 0, i))
         orders.append(order)
-    end: dict[tuple[str, int, int], float] = {}
-    position, free = [0] * p, [0.0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                phase, i = orders[s][position[s]]
-                duration = t_f if phase == "forward" else t_b
-                if phase == "forward" and s == 0:
-                    start = free[s]
-                elif phase == "backward" and s == p - 1:
-                    start = max(free[s], end[("forward", s, i)])
-                else:
-                    sender = (phase, s - 1 if phase == "forward" else s + 1, i)
-                    if sender not in end:
-                        break
-                    start = max(end[sender] + latency.get(f"{phase} on time", 0.0),
-                                free[s] + latency.get(f"{phase} late", 0.0))
-                end[(phase, s, i)] = free[s] = start + duration
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the simulated schedule deadlocked")
-    span = max(free)  # the first stage's first forward starts at 0
-    return 1.0 - m * (t_f + t_b) / span
+    return _simulate(orders, 1, t_f, t_b, latency)
 
 
 def simulate_interleaved(p: int, v: int, m: int, t_f: float, t_b: float,
                          latency: dict[str, float] | None = None) -> float:
     """Idle fraction (mean over the stages) of :func:`oslo.parallel.pipeline.interleaved_order` with chunk times
-    ``t_f``/``t_b`` and the transfer latencies of :func:`_probe_latency`, simulated as :func:`simulate_1f1b` does:
-    an operation that receives starts at ``max(sent + on-time latency, stage free + late latency)``. Without
-    latencies and with ``p`` dividing ``m`` every stage is idle ``(p - 1) / (v m + p - 1)``."""
+    ``t_f``/``t_b`` and latencies (:func:`_simulate`). Without latencies and with ``p`` dividing ``m`` every stage
+    is idle ``(p - 1) / (v m + p - 1)``."""
+    return _simulate([interleaved_order(p, v, m, s) for s in range(p)], v, t_f, t_b, latency)
+
+
+def _simulate(orders: list[list[tuple[str, int, int]]], chunks: int, t_f: float, t_b: float,
+              latency: dict[str, float] | None) -> float:
+    """Run every stage's ``(phase, chunk, micro_batch)`` order. An operation that receives (a forward from the
+    previous virtual stage's forward of its micro-batch; a backward from the next one's backward) starts at
+    ``max(sent + on-time latency, stage free + late latency)``, with the latencies of :func:`_probe_latency`;
+    the others start when the stage is free (the last virtual stage's backward right after its forward).
+    Returns the mean idle fraction of the stages over the common span."""
     latency = latency or {}
-    orders = [interleaved_order(p, v, m, s) for s in range(p)]
-    last = p * v - 1
+    p = len(orders)
+    last = p * chunks - 1
     end: dict[tuple[str, int, int], float] = {}
     position, free = [0] * p, [0.0] * p
     while any(position[s] < len(orders[s]) for s in range(p)):
@@ -280,7 +260,8 @@ def simulate_interleaved(p: int, v: int, m: int, t_f: float, t_b: float,
                 progressed = True
         if not progressed:
             raise RuntimeError("the simulated schedule deadlocked")
-    return 1.0 - v * m * (t_f + t_b) / max(free)
+    operations = len(orders[0]) // 2  # forwards (= backwards) per stage
+    return 1.0 - operations * (t_f + t_b) / max(free)  # the first stage's first forward starts at 0
 
 
 def _analyse(per_rank: list[list[list[tuple]]], p: int, m: int, chunks: int = 1) -> dict:

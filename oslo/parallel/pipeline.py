@@ -733,6 +733,16 @@ def _end_failed(context: ParallelContext, link: StageLink, exc: BaseException) -
     failure.mark_settled(exc)
 
 
+def _abandon(link: StageLink, stage: int, done: int, count: int) -> None:
+    """End on every stage a step whose loop this stage left after ``done`` of ``count`` micro-batches."""
+    link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of {count} "
+                                "micro-batches")
+    logger.warning(
+        "pipeline stage %d: the training step was left after %d of %d micro-batches; the other stages stopped it "
+        "too. The gradients hold only the micro-batches backpropagated (unreduced): call optimizer.zero_grad() "
+        "before the next step.", stage, done, count)
+
+
 def pipeline_schedule(
     context: ParallelContext,
     num_micro_batches: int,
@@ -852,12 +862,7 @@ def pipeline_schedule(
             finish_backward()
         received.clear()
         results.clear()
-        link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of "
-                                    f"{num_micro_batches} micro-batches")
-        logger.warning(
-            "pipeline stage %d: the training step was left after %d of %d micro-batches; the other stages "
-            "stopped it too. The gradients hold only those micro-batches (unreduced): call optimizer.zero_grad() "
-            "before the next step.", stage, done, num_micro_batches)
+        _abandon(link, stage, done, num_micro_batches)
         return
     except BaseException as exc:
         received.clear()
@@ -1116,12 +1121,7 @@ def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_outpu
             send_gradients(chunk, i)
         received.clear()
         results.clear()
-        link.settle(STEP_ABANDONED, f"its loop over the micro-batch outputs was left after {done} of {count} "
-                                    "micro-batches")
-        logger.warning(
-            "pipeline stage %d: the training step was left after %d of %d micro-batches; the other stages "
-            "stopped it too. The gradients hold only some of them (unreduced): call optimizer.zero_grad() "
-            "before the next step.", stage, done, count)
+        _abandon(link, stage, done, count)
         return
     except BaseException as exc:
         received.clear()
