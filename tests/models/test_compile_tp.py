@@ -63,6 +63,33 @@ def test_compiled_calls_equal_eager_at_tp2(arch):
     assert run_distributed(_compiled_equal_eager, 2, arch, timeout=900) == [expected, expected]
 
 
+def _sequence_parallel_compiled(rank, world_size, arch):
+    case = next(c for c in CASES if c.arch == arch and c.anchor)
+    torch._dynamo.reset()
+    model = getattr(oslo, case.name).from_config_with_parallel(
+        _small_config(case), tensor_parallel_size=2, seed=0, sequence_parallel=True).train()
+    batch = case.batch()
+    expected = model(**batch)
+    case.loss(expected).backward()
+    expected_grads = _local_grads(model)
+    model.zero_grad(set_to_none=True)
+    actual = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch)
+    case.loss(actual).backward()
+    torch.testing.assert_close(case.loss(actual), case.loss(expected))
+    compare_outputs(actual, expected, case.key)
+    assert_same_gradients(_local_grads(model), expected_grads, case.key)
+    return case.key
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "t5", "llama"])
+def test_sequence_parallel_compiles_whole_at_tp2(arch):
+    """sequence_parallel=True under torch.compile(fullgraph=True): a training call (shards gathered and
+    reduce-scattered inside the graph) equals eager, outputs and gradients, for the anchors of GPT2, BERT, T5 and
+    Llama (GPT-Neo, Qwen2 and Mistral compile the same mappings)."""
+    case = next(c for c in CASES if c.arch == arch and c.anchor)
+    assert run_distributed(_sequence_parallel_compiled, 2, arch, timeout=900) == [case.key] * 2
+
+
 def _gpt2(dropout: float = 0.0):
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32,
                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
