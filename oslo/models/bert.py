@@ -72,7 +72,7 @@ from oslo.models.heads import (
     vocabulary_loss,
 )
 from oslo.models.runner import forward_with_head
-from oslo.parallel.context import ParallelContext, SequenceSharding
+from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
@@ -81,12 +81,7 @@ from oslo.parallel.layers import (
     VocabParallelLMHead,
 )
 from oslo.parallel.loss import LossSum, check_labels
-from oslo.parallel.mappings import (
-    enter_tensor_parallel,
-    gather_from_tensor_parallel,
-    keep_sequence_shards,
-    scatter_to_tensor_parallel,
-)
+from oslo.parallel.mappings import enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 from oslo.parallel.sequence import splits_sequences
 
@@ -607,46 +602,30 @@ class BertModel(StagedBody, BertPreTrainedModel):
             input_ids=state.input_ids, token_type_ids=state.token_type_ids, position_ids=state.position_ids,
             inputs_embeds=state.inputs_embeds, past_key_values_length=state.past_length,
         )
-        if state.sequence_sharded:  # this rank's shard of the sequence through the layers
-            hidden_states = scatter_to_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
-                                                       SequenceSharding.dim)
-        return {"hidden_states": hidden_states}
-
-    def _whole(self, hidden_states: torch.Tensor, state: BodyState) -> torch.Tensor:
-        """``hidden_states`` with the whole sequence (gathered from the shards under sequence parallelism)."""
-        if not state.sequence_sharded:
-            return hidden_states
-        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
-                                           SequenceSharding.dim)
+        # this rank's shard of the sequence through the layers
+        return {"hidden_states": self._shard(hidden_states, state.sequence_sharded)}
 
     def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = payload["hidden_states"]
-        sequence = self.parallel_context.sequence
-        if sequence.enabled:  # the layers run whole in this call when it is not split (see SequenceSharding)
-            sequence.suspended = not state.sequence_sharded
-        try:
-            with keep_sequence_shards() if state.sequence_sharded else nullcontext():
-                for layer in self.encoder.layer:
-                    if state.hidden_states is not None:
-                        state.hidden_states += (self._whole(hidden_states, state),)
-                    hidden_states, attn_weights = layer(
-                        hidden_states,
-                        attention_mask=state.attention_mask,
-                        cache=state.cache,
-                        output_attentions=state.output_attentions,
-                        **state.kwargs,
-                    )
-                    if state.attentions is not None:
-                        state.attentions += (attn_weights,)
-        finally:
-            if sequence.enabled:
-                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
+        with self._layers_on(state.sequence_sharded):
+            for layer in self.encoder.layer:
+                if state.hidden_states is not None:
+                    state.hidden_states += (self._whole(hidden_states, state.sequence_sharded),)
+                hidden_states, attn_weights = layer(
+                    hidden_states,
+                    attention_mask=state.attention_mask,
+                    cache=state.cache,
+                    output_attentions=state.output_attentions,
+                    **state.kwargs,
+                )
+                if state.attentions is not None:
+                    state.attentions += (attn_weights,)
         return {"hidden_states": hidden_states}
 
     def finish(
         self, payload: dict[str, torch.Tensor], state: BodyState
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
-        sequence_output = self._whole(payload["hidden_states"], state)
+        sequence_output = self._whole(payload["hidden_states"], state.sequence_sharded)
         if state.hidden_states is not None:
             state.hidden_states += (sequence_output,)
         return BaseModelOutputWithPoolingAndCrossAttentions(

@@ -31,6 +31,7 @@ writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -108,6 +109,35 @@ class StagedBody:
         output = self.finish(self.run_layers(self.embed(state), state), state)
         return output if state.return_dict else output.to_tuple()
 
+    # ---- sequence parallelism (oslo.parallel.sequence): the layers run on shards of the sequence ------------
+    def _shard(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """This rank's shard of ``hidden_states`` along the sequence when the call's sequence is ``sharded``."""
+        if not sharded:
+            return hidden_states
+        return scatter_to_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                          SequenceSharding.dim)
+
+    def _whole(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """``hidden_states`` with the whole sequence (gathered from the ranks' shards when ``sharded``)."""
+        if not sharded:
+            return hidden_states
+        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
+                                           SequenceSharding.dim)
+
+    @contextlib.contextmanager
+    def _layers_on(self, sharded: bool) -> Iterator[None]:
+        """Run layers on shards of the sequence (their gathered inputs kept as shards for the backward and
+        gathered again there), or whole in a call that is not split (see ``SequenceSharding``)."""
+        sequence = self.parallel_context.sequence
+        if sequence.enabled:
+            sequence.suspended = not sharded
+        try:
+            with keep_sequence_shards() if sharded else contextlib.nullcontext():
+                yield
+        finally:
+            if sequence.enabled:
+                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
+
 
 def stand_in_embeds(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
@@ -156,17 +186,8 @@ class DecoderBody(StagedBody):
 
     def embed(self, state: BodyState) -> dict[str, torch.Tensor]:
         payload = self.embed_inputs(state)
-        if state.sequence_sharded:  # this rank's shard of the sequence from here to the final norm
-            payload = {**payload, "hidden_states": scatter_to_tensor_parallel(
-                payload["hidden_states"], self.parallel_context.tensor_parallel_group, SequenceSharding.dim)}
-        return payload
-
-    def _whole(self, hidden_states: torch.Tensor, state: BodyState) -> torch.Tensor:
-        """``hidden_states`` with the whole sequence (gathered from the ranks' shards under sequence parallelism)."""
-        if not state.sequence_sharded:
-            return hidden_states
-        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
-                                           SequenceSharding.dim)
+        # this rank's shard of the sequence from here to the final norm
+        return {**payload, "hidden_states": self._shard(payload["hidden_states"], state.sequence_sharded)}
 
     def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
         """The keyword arguments every layer of this stage takes besides the hidden states, ``attention_mask``,
@@ -221,34 +242,22 @@ class DecoderBody(StagedBody):
     def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
         hidden_states = payload["hidden_states"]
         inputs = self.layer_inputs(hidden_states, state)
-        sequence = self.parallel_context.sequence
-        if sequence.enabled:  # the layers run whole in this call when it is not split (see SequenceSharding)
-            sequence.suspended = not state.sequence_sharded
-        try:
-            # the layers' gathered inputs are kept as shards for the backward, and gathered again there
-            keeping = keep_sequence_shards() if state.sequence_sharded else contextlib.nullcontext()
-            with keeping:
-                hidden_states = self._run(hidden_states, state, inputs)
-        finally:
-            if sequence.enabled:
-                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
+        with self._layers_on(state.sequence_sharded):
+            for layer in getattr(self, self.layers_attribute):
+                if state.hidden_states is not None:
+                    state.hidden_states += (self._whole(hidden_states, state.sequence_sharded),)
+                kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
+                hidden_states, attn_weights = layer(
+                    hidden_states, attention_mask=state.masks[kind], cache=state.cache,
+                    output_attentions=state.output_attentions, **inputs,
+                )
+                if state.attentions is not None:
+                    state.attentions += (attn_weights,)
         return {"hidden_states": hidden_states}
 
-    def _run(self, hidden_states: torch.Tensor, state: BodyState, inputs: dict) -> torch.Tensor:
-        for layer in getattr(self, self.layers_attribute):
-            if state.hidden_states is not None:
-                state.hidden_states += (self._whole(hidden_states, state),)
-            kind = self.layer_types[layer.layer_idx] if self.layer_types else FULL_ATTENTION
-            hidden_states, attn_weights = layer(
-                hidden_states, attention_mask=state.masks[kind], cache=state.cache,
-                output_attentions=state.output_attentions, **inputs,
-            )
-            if state.attentions is not None:
-                state.attentions += (attn_weights,)
-        return hidden_states
-
     def finish(self, payload: dict[str, torch.Tensor], state: BodyState) -> ModelOutput:
-        hidden_states = self._whole(getattr(self, self.norm_attribute)(payload["hidden_states"]), state)
+        hidden_states = self._whole(getattr(self, self.norm_attribute)(payload["hidden_states"]),
+                                    state.sequence_sharded)
         if self.flattens_leading_dims:
             hidden_states = hidden_states.view(-1, *state.input_shape[1:], hidden_states.size(-1))
         if state.hidden_states is not None:

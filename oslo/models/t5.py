@@ -29,7 +29,6 @@ merged ones load back in transformers.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import weakref
 from contextlib import nullcontext
@@ -65,7 +64,7 @@ from oslo.models.heads import (
     seq2seq_body_inputs,
 )
 from oslo.models.stages import running_stage
-from oslo.parallel.context import ParallelContext, SequenceSharding
+from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelEmbedding,
@@ -73,13 +72,7 @@ from oslo.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from oslo.parallel.mappings import (
-    copy_to_tensor_parallel,
-    enter_tensor_parallel,
-    gather_from_tensor_parallel,
-    keep_sequence_shards,
-    scatter_to_tensor_parallel,
-)
+from oslo.parallel.mappings import copy_to_tensor_parallel, enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers, StageLink, pipeline_pass
 from oslo.parallel.sequence import splits_sequences
 
@@ -601,36 +594,10 @@ class _T5Stacks(StagedBody):
         hidden_states = self._shard(self.encoder.dropout(inputs_embeds), state.encoder_sharded)  # (B, T, d_model)
         return self._payload(hidden_states=hidden_states)
 
-    # ---- sequence parallelism: each stack's blocks run on sequence shards (oslo.parallel.sequence) -------------
-    def _shard(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
-        """This rank's shard of ``hidden_states`` along the sequence when the stack's sequence is ``sharded``."""
-        if not sharded:
-            return hidden_states
-        return scatter_to_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
-                                          SequenceSharding.dim)
-
-    def _whole(self, hidden_states: torch.Tensor, sharded: bool) -> torch.Tensor:
-        """``hidden_states`` with the whole sequence (gathered from the shards when ``sharded``)."""
-        if not sharded:
-            return hidden_states
-        return gather_from_tensor_parallel(hidden_states, self.parallel_context.tensor_parallel_group,
-                                           SequenceSharding.dim)
-
+    # ---- sequence parallelism: each stack's blocks run on shards of its own sequence (StagedBody._layers_on) ---
     def _length(self, hidden_states: torch.Tensor, sharded: bool) -> int:
+        """The whole sequence's length of ``hidden_states`` (a shard of it when ``sharded``)."""
         return hidden_states.shape[1] * (self.parallel_context.tensor_parallel_size if sharded else 1)
-
-    @contextlib.contextmanager
-    def _blocks_on(self, sharded: bool):
-        """Run a stack's blocks on shards (their gathered inputs kept as shards for the backward), or whole."""
-        sequence = self.parallel_context.sequence
-        if sequence.enabled:
-            sequence.suspended = not sharded
-        try:
-            with keep_sequence_shards() if sharded else nullcontext():
-                yield
-        finally:
-            if sequence.enabled:
-                sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
 
     def run_layers(self, payload: dict[str, torch.Tensor | None], state: BodyState) -> dict[str, torch.Tensor | None]:
         hidden_states, encoder_output = payload["hidden_states"], payload.get("encoder_hidden_states")
@@ -641,7 +608,7 @@ class _T5Stacks(StagedBody):
             sharded = state.encoder_sharded
             length = self._length(hidden_states, sharded)
             position_bias = relative_position_bias(table, length, length, 0, True, self.config)  # (1, nh, T, T)
-            with self._blocks_on(sharded):
+            with self._layers_on(sharded):
                 for block in self.encoder.block:
                     if getattr(state, hidden_field) is not None:
                         setattr(state, hidden_field, getattr(state, hidden_field) + (self._whole(hidden_states,
@@ -676,7 +643,7 @@ class _T5Stacks(StagedBody):
                                           dtype=hidden_states.dtype)
         # The encoder's output enters the tensor-parallel region once for all of this stage's cross-attentions.
         encoder_states = copy_to_tensor_parallel(encoder_output, self.parallel_context.tensor_parallel_group)
-        with self._blocks_on(sharded):
+        with self._layers_on(sharded):
             for block in self.decoder.block:
                 if state.decoder_hidden_states is not None:
                     state.decoder_hidden_states += (self._whole(hidden_states, sharded),)
