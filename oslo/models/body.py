@@ -237,6 +237,9 @@ class DecoderBody(StagedBody):
             output_attentions=output_attentions, kwargs=kwargs,
             return_dict=return_dict if return_dict is not None else config.return_dict,
             hidden_states=() if output_hidden_states else None, attentions=() if output_attentions else None,
+            # A body whose transformers twin returns cross_attentions=() with the attentions (GPT2: no layer
+            # of this body fills it) declares it among its per-layer outputs.
+            cross_attentions=() if output_attentions and "cross_attentions" in self.per_layer_outputs else None,
         )
 
     def run_layers(self, payload: dict[str, torch.Tensor], state: BodyState) -> dict[str, torch.Tensor]:
@@ -268,6 +271,7 @@ class DecoderBody(StagedBody):
             **{CACHE_FIELD: cache},
             hidden_states=state.hidden_states,
             attentions=state.attentions,
+            **({"cross_attentions": state.cross_attentions} if "cross_attentions" in self.per_layer_outputs else {}),
         )
 
 

@@ -262,6 +262,8 @@ class GPT2Model(LearnedPositions, DecoderBody, GPT2PreTrainedModel):
     layers_attribute, norm_attribute = "h", "ln_f"
     embeds_token_types = True  # through the token embedding, as transformers' GPT2
     flattens_leading_dims = True
+    # As transformers' GPT2Model: cross_attentions=() whenever attentions are asked for (no cross-attention here).
+    per_layer_outputs = ("hidden_states", "attentions", "cross_attentions")
 
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)

@@ -9,7 +9,12 @@ registers the module in :data:`CASE_MODULES`; ``tests/models/test_zoo.py`` then 
 * ``generate()`` tokens (greedy, beam + ``no_repeat_ngram_size``, sampling, without cache) for the
   causal LMs;
 * checkpoints: split save and reload, merged save loaded by transformers with no missing or unexpected
-  keys and the same tensors.
+  keys and the same tensors;
+* under pipelines, every parameter on exactly one stage, and ``clip_grad_norm_`` seeing the whole model;
+* for each architecture's anchor class, eager attention with ``output_attentions=True``: the attention
+  maps from every layer and stage (and, without pipelines, the gradients);
+* training: the manual's loop at (tp, pp, dp) equals one process's SGD step on the global batch
+  (:data:`TRAINING_LAYOUTS` for every anchor, a case's ``training_layouts`` besides).
 
 Every class runs at (tp, pp) = (1, 1), (2, 1), (1, 2); each architecture's anchor class also at (4, 1)
 and (2, 2), and a case at its ``extra_layouts``. One distributed launch per (architecture, layout) checks
@@ -39,6 +44,9 @@ CASE_MODULES = ["tests.models.cases_gpt2", "tests.models.cases_gpt_neo", "tests.
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # every class
 ANCHOR_LAYOUTS = [(4, 1), (2, 2)]  # each architecture's anchor class
 MICRO_BATCH_SIZE = 2  # the batches have 4 rows: two micro-batches per pipeline step
+# (tp, pp, dp, micro_batch_size, DistributedDataParallel) of the training check, for every anchor class
+TRAINING_LAYOUTS = [(1, 2, 2, 2, False), (2, 1, 2, 4, True)]
+CLIP = 0.05  # clip_grad_norm_'s max norm in the pipeline parity check: below every case's gradient norm
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,9 @@ class Case:
         anchor: The class also checked at the anchor layouts.
         extra_layouts: Further ``(tp, pp)`` layouts this case alone is checked at (T5's ``(1, 4)``).
         variant: Tells apart two cases of one class (another config style); names its checkpoint.
+        training_layouts: Further ``(tp, pp, dp, micro_batch_size, ddp)`` layouts of the training check for this
+            case (anchors also run :data:`TRAINING_LAYOUTS`).
+        eager_attentions: Whether the anchor's attention maps are checked under eager attention.
     """
 
     arch: str
@@ -72,6 +83,8 @@ class Case:
     generate_kwargs: dict = field(default_factory=dict)
     extra_layouts: tuple[tuple[int, int], ...] = ()
     variant: str = ""
+    training_layouts: tuple[tuple[int, int, int, int, bool], ...] = ()
+    eager_attentions: bool = True
 
     @property
     def key(self) -> str:
@@ -197,7 +210,34 @@ def check_parity(case: Case, path: str, tp: int, pp: int, **options) -> list[str
     for i, (ours, theirs) in enumerate(zip(losses, expected_losses, strict=True)):  # on every stage
         torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{case.name} micro-batch {i} loss: {m}")
     reference(**batch).loss.backward()  # the step's gradients are the whole batch's
-    return compare_grads(model, reference, case.name)
+    names = compare_grads(model, reference, case.name)
+    # Clipping sees the whole model's norm (every stage's parameters, a tied weight once) and scales alike.
+    total = model.clip_grad_norm_(CLIP)
+    torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP),
+                               msg=lambda m: f"{case.name} clip_grad_norm_: {m}")
+    compare_grads(model, reference, f"{case.name} (clipped)")
+    return names
+
+
+def check_attentions(case: Case, path: str, tp: int, pp: int) -> None:
+    """Eager attention with ``output_attentions=True``: every output field, the attention maps of every layer
+    (gathered from the ranks' heads, and from every stage), and without pipelines the gradients."""
+    reference = getattr(transformers, case.name).from_pretrained(path, attn_implementation="eager")
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE,
+        attn_implementation="eager")
+    batch = case.batch()
+    what = f"{case.name} (eager attention)"
+    with torch.set_grad_enabled(pp == 1):
+        expected = reference(**batch, output_hidden_states=True, output_attentions=True)
+        actual = model(**batch, output_hidden_states=True, output_attentions=True)
+    maps = [key for key, value in expected.items() if "attentions" in key and value]
+    assert maps, f"{what}: transformers returned no attention maps"
+    compare_outputs(actual, expected, what)
+    if pp == 1:
+        case.loss(expected).backward()
+        case.loss(actual).backward()
+        compare_grads(model, reference, what)
 
 
 def check_generate(case: Case, path: str, tp: int, pp: int, rank: int, **options) -> None:
@@ -212,10 +252,11 @@ def check_generate(case: Case, path: str, tp: int, pp: int, rank: int, **options
         "greedy": dict(do_sample=False),
         "greedy_no_cache": dict(do_sample=False, use_cache=False),
         "beam_ngram": dict(do_sample=False, num_beams=3, no_repeat_ngram_size=2),
+        "fused_ngram": dict(do_sample=False, num_beams=2, no_repeat_ngram_size=2),  # oslo's n-gram blocking
     }
     for name, option in options.items():
         expected = reference.generate(**common, **option)
-        actual = model.generate(**common, **option)
+        actual = model.generate(**common, **option, fused_no_repeat_ngram_blocking=name == "fused_ngram")
         assert torch.equal(actual, expected), f"{case.name} {name}: {actual.tolist()} != {expected.tolist()}"
     # Sampling: the ranks start from different global RNG states; the model's replicated stream decides.
     torch.manual_seed(1234)
@@ -250,15 +291,20 @@ def check_checkpoints(case: Case, path: str, tp: int, pp: int, root: str, **opti
 
 
 def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: str, scratch: str) -> dict:
-    """Every check of ``arch``'s cases at one layout, on one rank; returns what was checked."""
+    """Every check of ``arch``'s cases at one layout, on one rank; returns what was checked and, by case, the
+    names of the parameters this rank holds."""
     checked: dict[str, list[str]] = {}
+    held: dict[str, list[str]] = {}
     for case in cases_of(arch):
         if not case.runs_at(tp, pp):
             continue
         path = os.path.join(root, case.key)
         done = []
-        check_parity(case, path, tp, pp)
+        held[case.key] = check_parity(case, path, tp, pp)
         done.append("parity")
+        if case.anchor and case.eager_attentions:
+            check_attentions(case, path, tp, pp)
+            done.append("attentions")
         if case.generate:
             check_generate(case, path, tp, pp, rank)
             done.append("generate")
@@ -266,7 +312,7 @@ def run_layout(rank: int, world_size: int, arch: str, tp: int, pp: int, root: st
             check_checkpoints(case, path, tp, pp, os.path.join(scratch, f"{tp}x{pp}"))
             done.append("checkpoints")
         checked[case.key] = done
-    return checked
+    return {"checked": checked, "held": held}
 
 
 def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int, int]:
@@ -299,38 +345,67 @@ def count_block_all_reduces(rank: int, world_size: int, arch: str) -> tuple[int,
 TRAINING_LR = 0.5
 
 
+def training_layouts() -> list[tuple[Case, int, int, int, int, bool]]:
+    """``(case, tp, pp, dp, micro_batch_size, ddp)`` of the training check: every anchor at
+    :data:`TRAINING_LAYOUTS`, and each case's own ``training_layouts``."""
+    result = []
+    for case in all_cases():
+        layouts = (TRAINING_LAYOUTS if case.anchor else []) + list(case.training_layouts)
+        result += [(case, *layout) for layout in dict.fromkeys(layouts)]
+    return result
+
+
 def training_batch(case: Case) -> dict:
     """8 rows: the case's batch, then its rows in reverse order with the first 4 positions of every label
-    row ignored (-100), so that micro-batches and replicas hold different numbers of label items."""
+    row ignored (-100) and the first of a classification's labels too, so that micro-batches and replicas
+    hold different numbers of label items."""
     first = case.batch()
     second = {name: value.flip(0) if isinstance(value, torch.Tensor) else value for name, value in first.items()}
     labels = second.get("labels")
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         second["labels"] = labels.clone()
-        second["labels"][..., :4] = -100
+        if labels.dim() >= 2:
+            second["labels"][..., :4] = -100
+        else:
+            second["labels"][0] = -100
     return {name: torch.cat([value, second[name]]) if isinstance(value, torch.Tensor) else value
             for name, value in first.items()}
 
 
-def reference_training_step(case: Case, path: str) -> dict[str, torch.Tensor]:
+def _training_objective(case: Case, pp: int) -> tuple[Callable[[Any], torch.Tensor], tuple[str, ...]]:
+    """What a training call at ``pp`` stages backpropagates, and the batch keys it leaves out: under pipelines
+    each micro-batch's loss (a case may train only part of its objective there, see ``pipeline_drop``)."""
+    if pp == 1:
+        return case.loss, ()
+    return (lambda output: output.loss), case.pipeline_drop
+
+
+def _rows(batch: dict, start: int, stop: int) -> dict:
+    return {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def reference_training_step(case: Case, path: str, pp: int = 1) -> dict[str, torch.Tensor]:
     """One SGD step of transformers' model on the whole batch, in one process (every name, tied ones too)."""
+    objective, drop = _training_objective(case, pp)
     model = getattr(transformers, case.name).from_pretrained(path).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=TRAINING_LR)
-    case.loss(model(**training_batch(case))).backward()
+    objective(model(**{k: v for k, v in training_batch(case).items() if k not in drop})).backward()
     optimizer.step()
     return {name: param.detach() for name, param in model.named_parameters(remove_duplicate=False)}
 
 
-def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp: int, pp: int, wrap: bool,
-                 checkpointing: bool = False, **options):
+def run_training(rank: int, world_size: int, key: str, path: str, tp: int, pp: int, micro_batch_size: int,
+                 wrap: bool, checkpointing: bool = False, **options):
     """The manual's loop: the replica's rows of the global batch, the model (or its DDP wrapper) called on
-    them, each (micro-batch) loss backpropagated as it is, one SGD step; returns the full weights (``options``:
-    more build options of ``from_pretrained_with_parallel``; ``checkpointing``: activation checkpointing on)."""
+    them, each (micro-batch) loss backpropagated as it is, one SGD step. Returns the full weights, and the
+    losses this rank saw with the reference's for its own (micro-)batches (``options``: more build options of
+    ``from_pretrained_with_parallel``; ``checkpointing``: activation checkpointing on)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    case = next(c for c in cases_of(arch) if c.name == name)
-    model = getattr(oslo, name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE,
+    case = next(c for c in all_cases() if c.key == key)
+    objective, drop = _training_objective(case, pp)
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=micro_batch_size,
         **options).train()
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -339,15 +414,40 @@ def run_training(rank: int, world_size: int, arch: str, name: str, path: str, tp
     if wrap:
         model_ddp = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
     optimizer = torch.optim.SGD(model.gpu_parameters(), lr=TRAINING_LR)
-    batch = training_batch(case)
+    batch = {k: v for k, v in training_batch(case).items() if k not in drop}
     rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0] // mpu.get_data_parallel_world_size()
     start = mpu.get_data_parallel_rank() * rows
-    sample = {k: v[start : start + rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    sample = _rows(batch, start, start + rows)
     optimizer.zero_grad()
-    if pp == 1:
-        case.loss(model_ddp(**sample)).backward()
-    else:
-        for micro_output in model_ddp(**sample):
-            micro_output.loss.backward()
+    losses = []
+    for output in model_ddp(**sample) if pp > 1 else [model_ddp(**sample)]:
+        loss = objective(output)
+        losses.append(loss.detach())
+        loss.backward()
     optimizer.step()
-    return full_params(model)
+    # The loss each rank reports is its own (micro-)batch's, as transformers computes it.
+    reference = getattr(transformers, case.name).from_pretrained(path).train()
+    step = micro_batch_size if pp > 1 else rows
+    with torch.no_grad():
+        expected = [objective(reference(**_rows(sample, i, i + step))) for i in range(0, rows, step)]
+    return full_params(model), torch.stack(losses), torch.stack(expected)
+
+
+def check_training(case: Case, path: str, pp: int, results: list) -> None:
+    """``run_training``'s results from every rank against one process's step: every weight equals the
+    reference's, every parameter of the reference (a tied group by any of its names) is held by some rank, and
+    each rank's losses are transformers' on its own (micro-)batches."""
+    expected = reference_training_step(case, path, pp)
+    seen: set[str] = set()
+    for params, losses, own in results:
+        assert params and set(params) <= set(expected), sorted(set(params) - set(expected))
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.key} {n}: {m}")
+        seen |= set(params)
+        torch.testing.assert_close(losses, own, msg=lambda m: f"{case.key} losses: {m}")
+    groups: dict[int, set[str]] = {}
+    for name, param in getattr(transformers, case.name).from_pretrained(path).named_parameters(
+            remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
+    missing = [sorted(names) for names in groups.values() if not names & seen]
+    assert not missing, f"{case.key}: held by no rank: {missing}"

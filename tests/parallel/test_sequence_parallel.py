@@ -55,7 +55,8 @@ def _check(rank, world_size, arch, path, tp, pp):
     zoo.check_parity(case, path, tp, pp, sequence_parallel=True)
     if case.generate:
         zoo.check_generate(case, path, tp, pp, rank, sequence_parallel=True)  # decoding steps (length 1) run whole
-    return zoo.run_training(rank, world_size, arch, case.name, path, tp, pp, False, sequence_parallel=True)
+    return zoo.run_training(rank, world_size, case.key, path, tp, pp, zoo.MICRO_BATCH_SIZE, False,
+                            sequence_parallel=True)
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, "t5"])
@@ -63,12 +64,7 @@ def _check(rank, world_size, arch, path, tp, pp):
 def test_sequence_parallel_equals_one_process(zoo_checkpoints, arch, tp, pp):
     case = _anchor(arch)
     path = os.path.join(zoo_checkpoints(arch), case.key)
-    results = run_distributed(_check, tp * pp, arch, path, tp, pp, timeout=240)
-    expected = zoo.reference_training_step(case, path)
-    for params in results:
-        assert set(params) <= set(expected), sorted(set(params) - set(expected))
-        for name, value in params.items():
-            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
+    zoo.check_training(case, path, pp, run_distributed(_check, tp * pp, arch, path, tp, pp, timeout=240))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -77,12 +73,9 @@ def test_with_data_parallelism_and_activation_checkpointing(zoo_checkpoints, arc
     weights after the manual's step are one process's."""
     case = _anchor(arch)
     path = os.path.join(zoo_checkpoints(arch), case.key)
-    results = run_distributed(zoo.run_training, 4, arch, case.name, path, 2, 1, True, True, sequence_parallel=True,
-                              timeout=240)
-    expected = zoo.reference_training_step(case, path)
-    for params in results:
-        for name, value in params.items():
-            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.name} {n}: {m}")
+    results = run_distributed(zoo.run_training, 4, case.key, path, 2, 1, zoo.MICRO_BATCH_SIZE, True, True,
+                              sequence_parallel=True, timeout=240)
+    zoo.check_training(case, path, 1, results)
 
 
 class CountCollectives:

@@ -1,5 +1,6 @@
 """Training under tensor and data parallelism: DDP over model.gpu_modules(), tp-aware dropout,
-gradient clipping, and the mpu accessors."""
+gradient clipping, the mpu accessors, ``num_items_in_batch``, and what a training call returns. That the
+manual's loop at every (tp, pp, dp) equals one process, for every head: tests/models/test_zoo.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import oslo
 from tests.distributed import run_distributed
-from tests.helpers import full_params, save_reference, tiny_gpt2_config
+from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
+from tests.models import zoo
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +149,69 @@ def test_mpu_accessors(lm_checkpoint):
     assert [i["tp_peers"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [i["dp_peers"] for i in info] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [i["mp_peers"] for i in info] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _gpt2(name: str, zoo_checkpoints) -> tuple[str, dict]:
+    """A GPT2 head's zoo checkpoint and its 8-row training batch (padding, -100 labels)."""
+    case = next(c for c in zoo.cases_of("gpt2") if c.key == name)
+    return f"{zoo_checkpoints('gpt2')}/{case.key}", zoo.training_batch(case)
+
+
+def _num_items(rank, world_size, path, batch):
+    """`num_items_in_batch` (transformers' Trainer passes it) divides the sums instead, as transformers does."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, pipeline_parallel_size=2, micro_batch_size=4
+    ).train()
+    losses = [out.loss.detach() for out in model(**batch, num_items_in_batch=100) if out.loss.backward() is None]
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    expected = [reference(**{k: v[i : i + 4] for k, v in batch.items()}, num_items_in_batch=100).loss
+                for i in (0, 4)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected).detach())
+    sum(expected).backward()
+    theirs = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in full_grads(model).items():
+        source = "transformer.wte.weight" if name == "lm_head.weight" else name
+        torch.testing.assert_close(grad, theirs[source], msg=name)
+
+
+def test_num_items_in_batch_is_honoured(zoo_checkpoints):
+    run_distributed(_num_items, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))
+
+
+def _logits_by_default(rank, world_size, path, batch, double_heads_path, choices):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    expected = reference(**batch)
+    trained = model(**batch)  # a training call: the loss, no all-gather of the logits
+    torch.testing.assert_close(trained.loss, expected.loss)
+    assert "logits" not in trained and trained[0] is trained.loss and len(trained.to_tuple()) == 2  # + the cache
+    with pytest.raises(AttributeError, match="logits were not gathered.*Pass gather_logits=True"):
+        trained.logits  # noqa: B018
+    assert "logits=" not in repr(trained)
+    torch.testing.assert_close(model(**batch, gather_logits=True).logits, expected.logits)
+    assert model(**batch, gather_logits=False).logits is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, expected.logits)  # evaluation as before
+    unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+    torch.testing.assert_close(model(**unlabelled).logits, expected.logits)  # no labels
+    torch.testing.assert_close(model.eval()(**batch).logits, expected.logits)  # eval mode
+    doubled = oslo.GPT2DoubleHeadsModel.from_pretrained_with_parallel(double_heads_path, tensor_parallel_size=2)
+    with pytest.raises(AttributeError, match="gather_logits=True"):
+        doubled.train()(**choices).logits  # noqa: B018
+
+
+def test_training_call_skips_the_logits_gather_and_says_so(zoo_checkpoints):
+    run_distributed(_logits_by_default, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints),
+                    *_gpt2("GPT2DoubleHeadsModel", zoo_checkpoints))
+
+
+def _ddp_over_the_world(rank, world_size, path, batch):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    wrong = DistributedDataParallel(model.gpu_modules())  # the default group: both tensor-parallel ranks
+    with pytest.raises(ValueError, match=r"over ranks \[0, 1\], but this rank's data-parallel replicas are ranks "
+                                         rf"\[{rank}\].*process_group=model.mpu.get_data_parallel_group"):
+        wrong(**batch)
+
+
+def test_ddp_over_another_group_than_the_data_parallel_one_is_refused(zoo_checkpoints):
+    run_distributed(_ddp_over_the_world, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))

@@ -1,5 +1,7 @@
-"""model.fuse(): fused modules give the unfused math (outputs and gradients); fused n-gram blocking
-in generate() bans what transformers' no_repeat_ngram_size bans."""
+"""What is GPT2's own: model.fuse() on its blocks (fused modules give the unfused math, outputs and gradients, for
+both of GPT2's GeLUs, eager and sdpa attention), the activations it refuses to fuse, and fused n-gram blocking
+in generate() banning what transformers' no_repeat_ngram_size bans. Every head at every layout, training,
+generate() and checkpoints: tests/models/test_zoo.py (cases in tests/models/cases_gpt2.py)."""
 
 from __future__ import annotations
 

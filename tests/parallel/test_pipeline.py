@@ -1,5 +1,8 @@
-"""GPT2LMHeadModel with pipeline parallelism (alone and with tensor parallelism) against transformers:
-micro-batch losses and every gradient of the 1F1B schedule, the no-gradient pass, and checkpoints."""
+"""What pipelines do beyond the zoo's parity (tests/models/test_zoo.py checks every class's micro-batch losses,
+gradients, outputs, generate() and checkpoints at every layout): the loss scale and fused kernels on stages, the
+split checkpoint's files, the same random initialization at every layout, failures that reach every stage,
+gradient accumulation across data-parallel replicas, partitioning and gradient buckets, autocast, a resized
+vocabulary, the tied copies through training, StageLayers' indexing; shown on GPT2."""
 
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import oslo
 from oslo.parallel.pipeline import partition_layers
 from tests.distributed import run_distributed
 from tests.helpers import full_grads, full_params, save_reference, tiny_gpt2_config
-
-LAYOUTS = [(1, 2), (2, 2), (1, 4)]  # (tensor_parallel_size, pipeline_parallel_size)
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +75,6 @@ def _train_step(rank, world_size, path, tp, micro_batch_size, scale, fuse=False)
     return names
 
 
-@pytest.mark.parametrize("tp, pp", LAYOUTS)
-@pytest.mark.parametrize("micro_batch_size", [1, 2])
-def test_micro_batch_losses_and_gradients_match_transformers(lm_checkpoint, tp, pp, micro_batch_size):
-    names = run_distributed(_train_step, tp * pp, lm_checkpoint, tp, micro_batch_size, 1.0)
-    every = {n for stage in names for n in stage}
-    reference = {n for n, _ in transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint).named_parameters()}
-    assert every == reference | {"lm_head.weight"}  # every parameter is on some stage
-    stages = [set(names[p * tp]) for p in range(pp)]
-    assert all(not (a & b) for i, a in enumerate(stages) for b in stages[i + 1 :])  # and on one only
-    assert "transformer.wte.weight" in stages[0] and "lm_head.weight" in stages[-1]
-
-
 def test_fused_kernels_on_pipeline_stages(lm_checkpoint):
     """fuse() switches each stage's own blocks; the schedule's losses and gradients are unchanged."""
     run_distributed(_train_step, 4, lm_checkpoint, 2, 2, 1.0, True)
@@ -114,29 +103,10 @@ def _inference(rank, world_size, path, tp):
         assert model(**batch, gather_logits=False).logits is None
 
 
-@pytest.mark.parametrize("tp, pp", LAYOUTS)
-def test_no_gradient_pass_returns_outputs_on_every_stage(lm_checkpoint, tp, pp):
-    run_distributed(_inference, tp * pp, lm_checkpoint, tp)
-
-
-def _per_layer_outputs(rank, world_size, path, tp):
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager")
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, attn_implementation="eager"
-    )
-    batch = _batch(seed=5)
-    with torch.no_grad():
-        expected = reference(**batch, output_hidden_states=True, output_attentions=True)
-        actual = model(**batch, output_hidden_states=True, output_attentions=True)
-    for name in ("hidden_states", "attentions"):  # 5 hidden states and 4 attention maps, from every stage
-        assert len(getattr(actual, name)) == len(getattr(expected, name)), name
-        for i, (ours, theirs) in enumerate(zip(getattr(actual, name), getattr(expected, name), strict=True)):
-            torch.testing.assert_close(ours, theirs, msg=lambda m, n=name, i=i: f"{n}[{i}]: {m}")
-
-
-@pytest.mark.parametrize("tp, pp", LAYOUTS)
-def test_hidden_states_and_attentions_from_every_stage(lm_checkpoint, tp, pp):
-    run_distributed(_per_layer_outputs, tp * pp, lm_checkpoint, tp)
+def test_no_gradient_pass_returns_outputs_on_every_stage(lm_checkpoint):
+    """Every stage gets the outputs (at every layout: tests/models/test_zoo.py); without labels no loss and
+    logits outside autograd; gather_logits=False returns none."""
+    run_distributed(_inference, 4, lm_checkpoint, 2)
 
 
 def _save(rank, world_size, path, target, tp, merged):
@@ -152,15 +122,6 @@ def _load_split(rank, world_size, path, tp):
         path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp
     )
     return full_params(model)
-
-
-@pytest.mark.parametrize("tp, pp", [(2, 2), (1, 4)])
-def test_merged_save_is_a_plain_transformers_checkpoint(lm_checkpoint, tmp_path, tp, pp):
-    run_distributed(_save, tp * pp, lm_checkpoint, str(tmp_path), tp, True)
-    original = transformers.GPT2LMHeadModel.from_pretrained(lm_checkpoint)
-    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
-    for (name, a), (_, b) in zip(original.state_dict().items(), saved.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_split_save_round_trips(lm_checkpoint, tmp_path):
@@ -257,38 +218,6 @@ def _data_parallel_accumulation(rank, world_size, path, wrap):
 @pytest.mark.parametrize("wrap", [False, True], ids=["plain", "ddp"])
 def test_data_parallel_replicas_and_accumulated_batches(lm_checkpoint, wrap):
     run_distributed(_data_parallel_accumulation, 4, lm_checkpoint, wrap)
-
-
-def _generate(rank, world_size, path, tp):
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=world_size // tp, seed=1234
-    )
-    batch = _batch(seed=4, batch=3, length=6)
-    common = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=10,
-                  pad_token_id=0)
-    cases = {
-        "greedy": dict(do_sample=False),
-        "greedy_no_cache": dict(do_sample=False, use_cache=False),
-        "beam_ngram": dict(do_sample=False, num_beams=3, no_repeat_ngram_size=2),
-        "fused_ngram": dict(do_sample=False, num_beams=2, no_repeat_ngram_size=2),
-    }
-    for name, options in cases.items():
-        expected = reference.generate(**common, **options)
-        actual = model.generate(**common, **options, fused_no_repeat_ngram_blocking=name == "fused_ngram")
-        assert torch.equal(actual, expected), f"{name}: {actual.tolist()} != {expected.tolist()}"
-    torch.manual_seed(1234)
-    expected = reference.generate(**common, do_sample=True, top_k=50)
-    torch.manual_seed(rank)  # the model's replicated stream decides, whatever the global RNG says
-    actual = model.generate(**common, do_sample=True, top_k=50)
-    assert torch.equal(actual, expected), f"sampling: {actual.tolist()} != {expected.tolist()}"
-    return actual.tolist()
-
-
-@pytest.mark.parametrize("tp, pp", [(1, 4)])  # (1, 2) and (2, 2): tests/models/test_zoo.py
-def test_generate_matches_transformers(lm_checkpoint, tp, pp):
-    results = run_distributed(_generate, tp * pp, lm_checkpoint, tp)
-    assert all(r == results[0] for r in results)
 
 
 HEADS = {
