@@ -427,11 +427,6 @@ class OsloPreTrainedModel(PreTrainedModel):
         Returns:
             The model itself, so that ``model = model.fuse()`` works.
         """
-        if self.parallel_context.sequence_parallel:
-            raise NotImplementedError(
-                "fuse() on a model built with sequence_parallel=True is not implemented yet (the fused bias + dropout "
-                "+ residual reads a bias whose gradient sequence parallelism sums): build the model with "
-                "sequence_parallel=False to fuse it.")
         fusable = {
             type(m) for m in self.modules()
             if not isinstance(m, OsloPreTrainedModel) and callable(getattr(m, "fuse", None))

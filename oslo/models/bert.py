@@ -73,7 +73,6 @@ from oslo.models.heads import (
 )
 from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -83,7 +82,7 @@ from oslo.parallel.layers import (
 from oslo.parallel.loss import LossSum, check_labels
 from oslo.parallel.mappings import enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
-from oslo.parallel.sequence import splits_sequences
+from oslo.parallel.sequence import added_bias, dropout_stream, splits_sequences
 
 
 def _activation(hidden_act) -> Callable:
@@ -244,8 +243,9 @@ class BertSelfOutput(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.dense(hidden_states, skip_bias_add=True)
-            bias = local(self.dense.bias)
-            return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))
+            with dropout_stream(self.dropout):
+                added = bias_dropout_add(out, added_bias(self.dense), input_tensor, self.dropout.p, self.training)
+            return self.LayerNorm(added)
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 
@@ -314,8 +314,9 @@ class BertOutput(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.dense(hidden_states, skip_bias_add=True)
-            bias = local(self.dense.bias)
-            return self.LayerNorm(bias_dropout_add(out, bias, input_tensor, self.dropout.p, self.training))
+            with dropout_stream(self.dropout):
+                added = bias_dropout_add(out, added_bias(self.dense), input_tensor, self.dropout.p, self.training)
+            return self.LayerNorm(added)
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 

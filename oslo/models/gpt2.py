@@ -54,7 +54,6 @@ from oslo.models.heads import (
 )
 from oslo.models.runner import forward_with_head
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.dtensor import local
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -64,6 +63,7 @@ from oslo.parallel.layers import (
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
 from oslo.parallel.mappings import gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
+from oslo.parallel.sequence import added_bias, dropout_stream
 
 
 class GPT2Attention(nn.Module):
@@ -139,8 +139,9 @@ class GPT2Attention(nn.Module):
         attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
         if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
             out = self.c_proj(attn_output, skip_bias_add=True)
-            bias = local(self.c_proj.bias)
-            hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
+            with dropout_stream(self.resid_dropout):
+                hidden_states = bias_dropout_add(out, added_bias(self.c_proj), residual, self.resid_dropout.p,
+                                                 self.training)
         else:
             hidden_states = residual + self.resid_dropout(self.c_proj(attn_output))
 
@@ -188,7 +189,8 @@ class GPT2MLP(nn.Module):
             hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
         if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             out = self.c_proj(hidden_states, skip_bias_add=True)  # (B, T, C)
-            return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
+            with dropout_stream(self.dropout):
+                return bias_dropout_add(out, added_bias(self.c_proj), residual, self.dropout.p, self.training)
         return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
 
 

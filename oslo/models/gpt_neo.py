@@ -51,10 +51,10 @@ from oslo.models.heads import (
     TokenClassificationHead,
 )
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.dtensor import local
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oslo.parallel.mappings import enter_tensor_parallel, gather_from_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
+from oslo.parallel.sequence import added_bias, dropout_stream
 
 ATTENTION_TYPES = ("global", "local")
 
@@ -152,8 +152,9 @@ class GPTNeoSelfAttention(nn.Module):
 
         if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
             out = self.out_proj(attn_output, skip_bias_add=True)
-            bias = local(self.out_proj.bias)
-            hidden_states = bias_dropout_add(out, bias, residual, self.resid_dropout.p, self.training)
+            with dropout_stream(self.resid_dropout):
+                hidden_states = bias_dropout_add(out, added_bias(self.out_proj), residual, self.resid_dropout.p,
+                                                 self.training)
         else:
             hidden_states = self.resid_dropout(self.out_proj(attn_output)) + residual
 
@@ -265,7 +266,8 @@ class GPTNeoMLP(nn.Module):
         if not fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
             return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
         out = self.c_proj(hidden_states, skip_bias_add=True)
-        return bias_dropout_add(out, local(self.c_proj.bias), residual, self.dropout.p, self.training)
+        with dropout_stream(self.dropout):
+            return bias_dropout_add(out, added_bias(self.c_proj), residual, self.dropout.p, self.training)
 
 
 class GPTNeoBlock(GradientCheckpointingLayer):

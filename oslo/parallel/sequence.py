@@ -16,13 +16,17 @@ distinct per rank (:class:`ShardDropout`). What autograd keeps of a gathered inp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
+from oslo.parallel.dtensor import local
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from oslo.parallel.mappings import copy_to_tensor_parallel
 from oslo.parallel.pipeline import StageLayers
 
-__all__ = ["ShardDropout", "shard_sequences", "splits_sequences"]
+__all__ = ["ShardDropout", "added_bias", "dropout_stream", "shard_sequences", "splits_sequences"]
 
 
 def shard_sequences(model: nn.Module, body: nn.Module, norm: nn.Module | None) -> None:
@@ -61,6 +65,26 @@ class ShardDropout(nn.Dropout):
             with self._oslo_rng.split():
                 return super().forward(input)
         return super().forward(input)
+
+
+def added_bias(layer: nn.Module) -> torch.Tensor | None:
+    """The bias of ``layer`` (a row-parallel layer called with ``skip_bias_add=True``) for a fused op that adds it
+    itself (``fuse()``'s bias + dropout + residual): the tensor the layer's own forward would add, so that its
+    gradient is the same. Under sequence parallelism that sums the shards' parts over the tensor-parallel group."""
+    if layer.bias is None:
+        return None
+    bias = local(layer.bias)
+    summed, group = layer.__dict__.get("_oslo_sequence_summed", ((), None))
+    return copy_to_tensor_parallel(bias, group) if "bias" in summed else bias
+
+
+def dropout_stream(dropout: nn.Module) -> contextlib.AbstractContextManager:
+    """The random stream for a fused op that applies ``dropout``'s probability in its place: the stream distinct
+    per rank while ``dropout`` is a :class:`ShardDropout` whose block runs on sequence shards (the masks the module
+    itself would draw from), else the current one."""
+    if isinstance(dropout, ShardDropout) and dropout.training and dropout._oslo_sequence.active:
+        return dropout._oslo_rng.split()
+    return contextlib.nullcontext()
 
 
 def _applied_to_shards(module: nn.Module) -> tuple[str, ...]:

@@ -394,21 +394,24 @@ def reference_training_step(case: Case, path: str, pp: int = 1) -> dict[str, tor
     return {name: param.detach() for name, param in model.named_parameters(remove_duplicate=False)}
 
 
-def run_training(rank: int, world_size: int, key: str, path: str, tp: int, pp: int, micro_batch_size: int,
-                 wrap: bool, checkpointing: bool = False, **options):
+def run_training(rank: int, world_size: int, key: str | Case, path: str, tp: int, pp: int, micro_batch_size: int,
+                 wrap: bool, checkpointing: bool = False, fuse: bool = False, **options):
     """The manual's loop: the replica's rows of the global batch, the model (or its DDP wrapper) called on
-    them, each (micro-batch) loss backpropagated as it is, one SGD step. Returns the full weights, and the
+    them, each (micro-batch) loss backpropagated as it is, one SGD step (``key``: a case's key, or the case).
+    Returns the full weights, and the
     losses this rank saw with the reference's for its own (micro-)batches (``options``: more build options of
-    ``from_pretrained_with_parallel``; ``checkpointing``: activation checkpointing on)."""
+    ``from_pretrained_with_parallel``; ``checkpointing``: activation checkpointing on; ``fuse``: ``model.fuse()``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    case = next(c for c in all_cases() if c.key == key)
+    case = key if isinstance(key, Case) else next(c for c in all_cases() if c.key == key)
     objective, drop = _training_objective(case, pp)
     model = getattr(oslo, case.name).from_pretrained_with_parallel(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=micro_batch_size,
         **options).train()
     if checkpointing:
         model.gradient_checkpointing_enable()
+    if fuse:
+        model.fuse()
     mpu = model.mpu
     model_ddp = model
     if wrap:

@@ -5,6 +5,7 @@ the collectives of a block; what a block keeps for the backward; and the calls i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -219,12 +220,10 @@ def _refusals(rank, world_size, path):
     with torch.no_grad():  # without gradients an odd length runs whole
         reference = transformers.GPT2LMHeadModel.from_pretrained(path)
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
-    with pytest.raises(NotImplementedError, match="fuse"):
-        model.fuse()
     return True
 
 
-def test_odd_lengths_and_fuse_are_refused_on_every_rank(tmp_path):
+def test_odd_lengths_are_refused_on_every_rank(tmp_path):
     save_reference(transformers.GPT2LMHeadModel, zoo.cases_of("gpt2")[0].config(), tmp_path)
     assert run_distributed(_refusals, 2, str(tmp_path)) == [True, True]
 
@@ -237,3 +236,77 @@ def test_classes_without_it_are_refused(tmp_path):
         Plain.from_config_with_parallel(zoo.cases_of("gpt2")[0].config(), sequence_parallel=True)
     with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
         oslo.GPT2LMHeadModel.from_config_with_parallel(zoo.cases_of("gpt2")[0].config(), sequence_parallel="yes")
+
+
+FUSED_ARCHS = ["gpt2", "gpt_neo", "bert"]  # the classes whose fuse() adds a row-parallel bias in its own kernel
+
+
+def _fused_residuals(record: list) -> None:
+    """Make the fused models add bias + dropout + residual with oslo's op at every call (on CPU fuse() keeps torch's
+    expression, which adds the bias inside the linear layer), recording each call's dropped positions."""
+    from oslo.models import bert, gpt2, gpt_neo
+
+    original = gpt2.bias_dropout_add
+
+    def recorded(x, bias, residual, p, training=True):
+        out = original(x, bias, residual, p, training)
+        record.append((out - residual) == 0)  # exact zeros where dropped: the residual is added to 0
+        return out
+
+    for module in (gpt2, gpt_neo, bert):
+        module.fused_bias_dropout_add_pays = lambda x, p, training: True
+        module.bias_dropout_add = recorded
+
+
+def _no_loss_from_padding(case: zoo.Case) -> zoo.Case:
+    """GPT-Neo's case with no label predicted from a padded query: its fused attention (sdpa) differentiates a
+    padded query that sees only padding otherwise than eager does (see GPTNeoSelfAttention._sdpa_attention),
+    with or without sequence parallelism."""
+    def batch():
+        values = case.batch()
+        labels = values["labels"].clone()
+        labels[:, 1:][values["attention_mask"][:, :-1] == 0] = -100
+        return {**values, "labels": labels}
+
+    return dataclasses.replace(case, batch=batch) if case.arch == "gpt_neo" else case
+
+
+def _fused_training(rank, world_size, arch, path):
+    calls = []
+    _fused_residuals(calls)
+    result = zoo.run_training(rank, world_size, _no_loss_from_padding(_anchor(arch)), path, 2, 1,
+                              zoo.MICRO_BATCH_SIZE, False, fuse=True, sequence_parallel=True)
+    return result, len(calls)
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_fuse_equals_one_process(zoo_checkpoints, arch):
+    """fuse() on shards: the fused bias + dropout + residual adds a row-parallel layer's bias to this rank's shard,
+    whose gradient is summed over the tensor-parallel group as the layer's own addition is; the weights after the
+    manual's step at tp=2 are one process's."""
+    case = _anchor(arch)
+    path = os.path.join(zoo_checkpoints(arch), case.key)
+    results = run_distributed(_fused_training, 2, arch, path, timeout=240)
+    assert all(calls > 0 for _, calls in results)
+    zoo.check_training(_no_loss_from_padding(case), path, 1, [result for result, _ in results])
+
+
+def _fused_dropout_masks(rank, world_size):
+    masks = []
+    _fused_residuals(masks)
+    case = _anchor("gpt2")
+    config = case.config()
+    config.resid_pdrop = 0.5
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        config, tensor_parallel_size=world_size, seed=0, sequence_parallel=True).fuse().train()
+    ids = torch.randint(3, config.vocab_size, (4, 10), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return masks[0]
+
+
+def test_fused_dropout_on_shards_draws_distinct_masks_per_rank():
+    """The fused op's dropout on a shard draws from the stream distinct per rank, as the module it stands for."""
+    first, second = run_distributed(_fused_dropout_masks, 2)
+    assert first.shape == second.shape and first.shape[1] == 5
+    assert 0.3 < first.float().mean() < 0.7 and 0.3 < second.float().mean() < 0.7
+    assert not torch.equal(first, second)
