@@ -41,7 +41,9 @@ from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
+    gather_sequence,
     reduce_from_tensor_parallel,
+    reduce_scatter_sequence,
     scatter_to_tensor_parallel,
 )
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
@@ -166,10 +168,11 @@ def _make_class():
             self._oslo_features = (base.in_features, base.out_features)
             context = _context_of(base)
             self._oslo_context = context if context is not None and context.world_size > 1 else None
-            if getattr(base, "sequence", None) is not None:
+            if getattr(base, "sequence", None) is not None and config.use_dora:
                 raise NotImplementedError(
-                    f"LoRA on a {type(base).__name__} of a model built with sequence_parallel=True is not implemented "
-                    "yet: build the model with sequence_parallel=False to fine-tune it with PEFT.")
+                    f"DoRA on a {type(base).__name__} of a model built with sequence_parallel=True is not implemented "
+                    "yet (plain LoRA, use_rslora and lora_bias are): build the model with sequence_parallel=False to "
+                    "fine-tune it with DoRA.")
             if getattr(base, "transposed", False) and not config.fan_in_fan_out:  # as PEFT does for Conv1D
                 warnings.warn(f"fan_in_fan_out is set to False but the target module {type(base).__name__} stores its "
                               "weight as (in_features, out_features), as transformers' Conv1D. Setting "
@@ -273,23 +276,43 @@ def _make_class():
                                                           b_module.local_bias()))
             dropout, h = self.lora_dropout[name], x.to(a.dtype)
             kind = self._oslo_kind
+            # Under sequence parallelism (a block's layer, running on shards) a column-parallel layer reads this
+            # rank's sequence shard and gathers it, a row-parallel one reduce-scatters its output into shards.
+            sequence = getattr(base, "sequence", None)
+            on_shards = sequence is not None and sequence.active
             if kind == "replicated":  # every rank computes the whole, identical product
                 h = dropout(h)
                 z = torch.nn.functional.linear(h, a)
             elif kind == COLUMN:
-                h = dropout(h)
                 if kwargs.get("input_is_copied", False):
-                    # x's gradient is summed over the group where it was copied: this path's share stays
-                    # partial, and A's gradient (partial too) is summed here.
+                    # x's gradient is summed over the group where it was copied (or gathered): this path's share
+                    # stays partial, and A's gradient (partial too) is summed here.
+                    h = dropout(h)
                     z = torch.nn.functional.linear(h, copy_to_tensor_parallel(a, group))
+                elif on_shards:
+                    # x is this rank's shard: A reads it (its gradient, from this shard's positions, summed over
+                    # the group), z is gathered (its gradient reduce-scattered: x's is whole on its shard).
+                    with rng.split():  # dropout on this rank's positions: masks distinct per rank
+                        h = dropout(h)
+                    z = gather_sequence(torch.nn.functional.linear(h, copy_to_tensor_parallel(a, group)), group,
+                                        sequence.dim)
                 else:  # z's gradient summed over the group: A's and x's are then whole on every rank
+                    h = dropout(h)
                     z = copy_to_tensor_parallel(torch.nn.functional.linear(h, a), group)
             else:
                 if not base.input_is_parallel:
                     h = scatter_to_tensor_parallel(h, group, dim=-1)
                 with rng.split():  # dropout on this rank's input features: masks distinct per rank
                     h = dropout(h)
-                z = reduce_from_tensor_parallel(torch.nn.functional.linear(h, a), group)
+                z = torch.nn.functional.linear(h, a)
+                if on_shards:
+                    # z's sums go to the shards, as the layer's output; B reads this rank's shard, so its gradient
+                    # (and its bias's) is summed over the group.
+                    z = reduce_scatter_sequence(z, group, sequence.dim)
+                    b = copy_to_tensor_parallel(b, group)
+                    b_bias = None if b_bias is None else copy_to_tensor_parallel(b_bias, group)
+                else:
+                    z = reduce_from_tensor_parallel(z, group)
             lora = torch.nn.functional.linear(z, b, b_bias)
             scaling = self.scaling[name]
             if self.use_dora.get(name, False):

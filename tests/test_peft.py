@@ -158,7 +158,8 @@ def test_an_adapted_layer_leaves_the_bias_to_a_fused_caller(tmp_path):
                                    msg=lambda m, o=options: f"{o}: {m}")
 
 
-def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, lr=0.5):
+def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, lr=0.5,
+                       **options):
     import os
 
     import torch.distributed as dist
@@ -168,7 +169,8 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
     theirs = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
                                             f"{tmp}/theirs", is_trainable=True)
     base = getattr(oslo, name).from_pretrained_with_parallel(
-        f"{tmp}/base", tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+        f"{tmp}/base", tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        **options)
     ours = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs", is_trainable=True)
     with torch.no_grad():
         compare_outputs(ours(**batch), theirs(**batch), name)
@@ -225,7 +227,8 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
     return True
 
 
-LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4)}
+LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4),
+           "tp2-sequence-parallel": (2, 1, 2, {"sequence_parallel": True})}
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -234,11 +237,13 @@ LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2-pp2": 
 def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, tmp_path):
     """At tp=2 the adapters are split like their layers; at tp=1 with two processes (data-parallel replicas, each
     on the whole batch here) every parameter is a DTensor of a one-rank mesh; at pp=2 each stage holds the adapters
-    of its layers, trains them with the manual's micro-batch loop, and the saved adapter gathers every stage's."""
-    tp, pp, processes = LAYOUTS[layout]
+    of its layers, trains them with the manual's micro-batch loop, and the saved adapter gathers every stage's; with
+    sequence parallelism a column-parallel layer's adapter reads the shard and gathers its r features, a row-parallel
+    one's reduce-scatters them into shards."""
+    tp, pp, processes, *options = LAYOUTS[layout]
     _reference_adapter(case, tmp_path)
-    assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp,
-                           timeout=300) == [True] * processes
+    assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp, timeout=300,
+                           **(options[0] if options else {})) == [True] * processes
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -461,3 +466,21 @@ def test_dora_on_a_vocabulary_split_head_refuses_on_every_rank(tmp_path):
         tmp_path / "base")
     for message in run_distributed(_lm_head_dora, 2, str(tmp_path)):
         assert message is not None and "DoRA on a vocabulary-split layer" in message
+
+
+def _sequence_parallel_dora(rank, world_size, tmp):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2,
+                                                              sequence_parallel=True)
+    try:
+        peft.get_peft_model(base, peft.LoraConfig(r=4, use_dora=True, target_modules=["c_fc"]))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_dora_with_sequence_parallelism_refuses_on_every_rank(tmp_path):
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    for message in run_distributed(_sequence_parallel_dora, 2, str(tmp_path)):
+        assert message is not None and "DoRA on a ColumnParallelLinear of a model built with sequence_parallel" \
+            in message
