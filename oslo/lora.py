@@ -47,6 +47,7 @@ from oslo.parallel.mappings import (
     scatter_to_tensor_parallel,
 )
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
+from oslo.parallel.sequence import added_bias
 from oslo.parallel.ties import tie_families
 
 __all__ = ["ParallelLoraLinear", "install"]
@@ -370,10 +371,10 @@ def _make_class():
             base = self.get_base_layer()
             if kwargs.get("skip_bias_add", False) and base.bias is not None:
                 # A fused caller adds the layer's bias itself; DoRA's output reads the biased result (it scales the
-                # unbiased part), so the result is computed whole and the bias taken off after.
+                # unbiased part), so the result is computed whole and the bias taken off after: the tensor the layer
+                # added, whose gradient cancels the layer's own (summed over the group on sequence shards).
                 kwargs["skip_bias_add"] = False
-                return self.forward(x, *args, **kwargs) - local(base.bias, getattr(base, "parallel_specs", {})
-                                                                .get("bias"))
+                return self.forward(x, *args, **kwargs) - added_bias(base)
             if self._oslo_context is None:
                 return super().forward(x, *args, **kwargs)
             self._check_forward_args(x, *args, **kwargs)

@@ -71,10 +71,11 @@ def added_bias(layer: nn.Module) -> torch.Tensor | None:
     """The bias of ``layer`` (a row-parallel layer called with ``skip_bias_add=True``) for a fused op that adds it
     itself (``fuse()``'s bias + dropout + residual): the tensor the layer's own forward would add, so that its
     gradient is the same. Under sequence parallelism that sums the shards' parts over the tensor-parallel group."""
-    if layer.bias is None:
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer  # under a PEFT adapter: its layer
+    if base.bias is None:
         return None
-    bias = local(layer.bias)
-    summed, group = layer.__dict__.get("_oslo_sequence_summed", ((), None))
+    bias = local(base.bias, getattr(base, "parallel_specs", {}).get("bias"))
+    summed, group = base.__dict__.get("_oslo_sequence_summed", ((), None))
     return copy_to_tensor_parallel(bias, group) if "bias" in summed else bias
 
 

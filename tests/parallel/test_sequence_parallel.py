@@ -310,3 +310,35 @@ def test_fused_dropout_on_shards_draws_distinct_masks_per_rank():
     assert first.shape == second.shape and first.shape[1] == 5
     assert 0.3 < first.float().mean() < 0.7 and 0.3 < second.float().mean() < 0.7
     assert not torch.equal(first, second)
+
+
+def _adapted_fused_grads(rank, world_size, path, sequence_parallel):
+    """LoRA (biases trained too: bias="all") on GPT2 at tp=2, fused with the residual op forced when on shards;
+    the trainable parameters' whole gradients."""
+    import peft
+
+    from tests.helpers import full_grads
+
+    if sequence_parallel:
+        _fused_residuals([])
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2, seed=0,
+                                                               sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        model.fuse()
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_proj", "c_fc"], bias="all",
+                                                         init_lora_weights=False))
+    batch = _anchor("gpt2").batch()
+    adapted.train()(**batch).loss.backward()
+    return {name: grad for name, grad in full_grads(model).items() if grad is not None}
+
+
+def test_fused_residual_under_an_adapter_sums_the_bias_gradient(zoo_checkpoints):
+    """PEFT around a row-parallel layer whose bias the fused op adds (bias="all" trains it): on shards its gradient
+    is summed over the group as without sequence parallelism."""
+    pytest.importorskip("peft")
+    path = os.path.join(zoo_checkpoints("gpt2"), _anchor("gpt2").key)
+    expected = run_distributed(_adapted_fused_grads, 2, path, False)[0]
+    actual = run_distributed(_adapted_fused_grads, 2, path, True)[0]
+    assert any("c_proj.base_layer.bias" in name for name in expected) and expected.keys() == actual.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, msg=lambda m, n=name: f"{n}: {m}")
