@@ -228,7 +228,9 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
 
 
 LAYOUTS = {"tp2": (2, 1, 2), "tp1-dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4),
-           "tp2-sequence-parallel": (2, 1, 2, {"sequence_parallel": True})}
+           "tp2-sequence-parallel": (2, 1, 2, {"sequence_parallel": True}),
+           "tp2-pp2-sequence-parallel": (2, 2, 4, {"sequence_parallel": True}),
+           "pp2-interleaved": (1, 2, 2, {"virtual_pipeline_size": 2})}
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -239,7 +241,8 @@ def test_lora_with_several_processes_equals_peft_on_transformers(case, layout, t
     on the whole batch here) every parameter is a DTensor of a one-rank mesh; at pp=2 each stage holds the adapters
     of its layers, trains them with the manual's micro-batch loop, and the saved adapter gathers every stage's; with
     sequence parallelism a column-parallel layer's adapter reads the shard and gathers its r features, a row-parallel
-    one's reduce-scatters them into shards."""
+    one's reduce-scatters them into shards; with two model chunks per stage (interleaved 1F1B) each chunk's adapters
+    train where the chunk runs."""
     tp, pp, processes, *options = LAYOUTS[layout]
     _reference_adapter(case, tmp_path)
     assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp, timeout=300,
