@@ -63,10 +63,11 @@ def _without_shm_kernel() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
-def _deepspeed_steps(rank, world_size, path, tp, pp, stage):
+def _deepspeed_steps(rank, world_size, path, tp, pp, stage, sequence_parallel=False):
     _without_shm_kernel()
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2).train()
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=2,
+        sequence_parallel=sequence_parallel).train()
     mpu = model.mpu
     rows = ROWS // mpu.get_data_parallel_world_size()
     engine, _, _, _ = deepspeed.initialize(model=model.gpu_modules(), model_parameters=model.gpu_parameters(),
@@ -84,10 +85,14 @@ def _deepspeed_steps(rank, world_size, path, tp, pp, stage):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp, pp, dp, stage", [(2, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 2), (1, 2, 2, 0), (1, 2, 2, 1)],
-                         ids=["tp2-dp2-zero0", "tp2-dp2-zero1", "tp2-dp2-zero2", "pp2-dp2-zero0", "pp2-dp2-zero1"])
-def test_deepspeed_equals_one_process(checkpoint, expected, tp, pp, dp, stage):
-    for params in run_distributed(_deepspeed_steps, tp * pp * dp, checkpoint, tp, pp, stage, timeout=110):
+@pytest.mark.parametrize("tp, pp, dp, stage, sequence_parallel",
+                         [(2, 1, 2, 0, False), (2, 1, 2, 1, False), (2, 1, 2, 2, False), (1, 2, 2, 0, False),
+                          (1, 2, 2, 1, False), (2, 1, 2, 2, True)],
+                         ids=["tp2-dp2-zero0", "tp2-dp2-zero1", "tp2-dp2-zero2", "pp2-dp2-zero0", "pp2-dp2-zero1",
+                              "tp2-dp2-zero2-sequence-parallel"])
+def test_deepspeed_equals_one_process(checkpoint, expected, tp, pp, dp, stage, sequence_parallel):
+    for params in run_distributed(_deepspeed_steps, tp * pp * dp, checkpoint, tp, pp, stage, sequence_parallel,
+                                  timeout=110):
         for name, value in params.items():
             source = "transformer.wte.weight" if name == "lm_head.weight" else name
             torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")

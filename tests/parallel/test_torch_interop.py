@@ -114,11 +114,12 @@ def test_state_dict_is_self_describing_and_loads_at_the_same_layout(checkpoint):
         assert before > 1e-3 and after == 0.0, (before, after)
 
 
-def _fsdp2_step(rank, world_size, path, tp):
+def _fsdp2_step(rank, world_size, path, tp, sequence_parallel=False):
     """PyTorch's 2D recipe on an oslo model: fully_shard every block, then the model, over the dp mesh."""
     from torch.distributed.fsdp import fully_shard
 
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                               sequence_parallel=sequence_parallel).train()
     mpu = model.mpu
     before = sum(p.to_local().numel() for p in model.parameters())
     for block in model.transformer.h:
@@ -140,18 +141,20 @@ def _fsdp2_step(rank, world_size, path, tp):
     return full, norm.full_tensor(), before, after, state_elements
 
 
-@pytest.mark.parametrize("tp, dp", [(2, 2), (1, 4)], ids=["tp2-dp2", "tp1-dp4"])
-def test_fsdp2_composes_with_tensor_parallelism(checkpoint, tp, dp):
+@pytest.mark.parametrize("tp, dp, sequence_parallel", [(2, 2, False), (1, 4, False), (2, 2, True)],
+                         ids=["tp2-dp2", "tp1-dp4", "tp2-dp2-sequence-parallel"])
+def test_fsdp2_composes_with_tensor_parallelism(checkpoint, tp, dp, sequence_parallel):
     """fully_shard over model.device_mesh["dp"], stock clipping, AdamW: the weights of one process on the
     global batch (the replicas' rows hold different numbers of label tokens); parameters and optimizer
-    state per rank are about 1/dp of the tensor-parallel shard."""
+    state per rank are about 1/dp of the tensor-parallel shard. With sequence parallelism too."""
     model = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     model(**global_batch()).loss.backward()
     expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     optimizer.step()
     expected = dict(model.named_parameters())
-    for full, norm, before, after, state_elements in run_distributed(_fsdp2_step, tp * dp, checkpoint, tp):
+    for full, norm, before, after, state_elements in run_distributed(_fsdp2_step, tp * dp, checkpoint, tp,
+                                                                      sequence_parallel):
         torch.testing.assert_close(norm, expected_norm)
         for name, value in full.items():
             source = "transformer.wte.weight" if name == "lm_head.weight" else name
