@@ -455,35 +455,21 @@ def test_lora_on_the_vocabulary_split_head_equals_peft_on_transformers(name, lay
                            timeout=300) == [True] * processes
 
 
-def _lm_head_dora(rank, world_size, tmp):
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
+def _dora_refusal(rank, world_size, tmp, target, options):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2, **options)
     try:
-        peft.get_peft_model(base, peft.LoraConfig(r=4, use_dora=True, target_modules=["lm_head"]))
+        peft.get_peft_model(base, peft.LoraConfig(r=4, use_dora=True, target_modules=[target]))
     except NotImplementedError as exc:
         return str(exc)
     return None
 
 
-def test_dora_on_a_vocabulary_split_head_refuses_on_every_rank(tmp_path):
+@pytest.mark.parametrize("target, options, message", [
+    ("lm_head", {}, "DoRA on a vocabulary-split layer"),
+    ("c_fc", {"sequence_parallel": True}, "DoRA on a ColumnParallelLinear of a model built with sequence_parallel"),
+], ids=["vocabulary-split-head", "sequence-parallel"])
+def test_dora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target, options, message):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
-    for message in run_distributed(_lm_head_dora, 2, str(tmp_path)):
-        assert message is not None and "DoRA on a vocabulary-split layer" in message
-
-
-def _sequence_parallel_dora(rank, world_size, tmp):
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2,
-                                                              sequence_parallel=True)
-    try:
-        peft.get_peft_model(base, peft.LoraConfig(r=4, use_dora=True, target_modules=["c_fc"]))
-    except NotImplementedError as exc:
-        return str(exc)
-    return None
-
-
-def test_dora_with_sequence_parallelism_refuses_on_every_rank(tmp_path):
-    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
-        tmp_path / "base")
-    for message in run_distributed(_sequence_parallel_dora, 2, str(tmp_path)):
-        assert message is not None and "DoRA on a ColumnParallelLinear of a model built with sequence_parallel" \
-            in message
+    for said in run_distributed(_dora_refusal, 2, str(tmp_path), target, options):
+        assert said is not None and message in said
