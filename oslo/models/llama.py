@@ -16,6 +16,7 @@ MLP's input projections), plus, with replicated key/value projections, one per r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -39,7 +40,7 @@ from transformers.models.llama.modeling_llama import (
 
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import FULL_ATTENTION, SLIDING_ATTENTION, BodyState, DecoderBody
-from oslo.models.compat import accepts_legacy_cache_name
+from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -227,6 +228,34 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
     def _mlp_bias(config) -> bool:
         return config.mlp_bias
 
+    def _stage_layer_types(self) -> list[str] | None:
+        """The kind of attention of each slot of this pipeline stage's KV cache (its layers from slot 0, see
+        ``StageLayers.keep``) when that differs from the whole model's (pipelines over both full and sliding-window
+        layers); else ``None``."""
+        types = self._layer_types(self.config)
+        if self.parallel_context.pipeline_parallel_size == 1 or len(set(types)) == 1:
+            return None
+        slots = sorted({(m.cache_idx, m.layer_idx) for m in self.modules() if isinstance(m, LlamaAttention)})
+        return [types[layer] for _, layer in slots]
+
+    def _new_cache(self) -> Cache:
+        """A fresh KV cache for this pipeline stage, each slot of its layer's kind."""
+        types = self._stage_layer_types()
+        if types is None:
+            return super()._new_cache()
+        config = copy.copy(self.config)
+        config.layer_types, config.num_hidden_layers = types, len(types)
+        return DynamicCache(config=config)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """As transformers' (``generate()``), then this stage's own cache in place of the one built from the whole
+        model's config, when their slots' kinds differ (see :meth:`_new_cache`)."""
+        given = model_kwargs.get(CACHE_FIELD) is not None
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if not given and type(model_kwargs.get(CACHE_FIELD)) is DynamicCache and self._stage_layer_types():
+            model_kwargs[CACHE_FIELD] = self._new_cache()
+        return result
+
     @staticmethod
     def _layer_types(config) -> list[str]:
         """Each layer's attention: ``"full_attention"`` or ``"sliding_attention"`` (``config.sliding_window``)."""
@@ -273,12 +302,6 @@ class LlamaModel(DecoderBody, LlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.layer_types = family._layer_types(config)
-        if context.pipeline_parallel_size > 1 and len(set(self.layer_types)) > 1:
-            # A later stage's KV cache starts at slot 0, with the cache layer of the model's layer 0.
-            raise NotImplementedError(
-                f"{type(self).__name__} with both full and sliding-window layers (config.layer_types) runs with "
-                "pipeline_parallel_size=1 only; use tensor parallelism, or one kind of attention in every layer."
-            )
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -123,6 +123,20 @@ def test_interleaved_calls_equal_transformers(tmp_path, arch):
     run_distributed(_check_calls, 2, arch, path, str(tmp_path / "saved"), timeout=300)
 
 
+def _check_mixed_layers(rank, world_size, path, scratch):
+    case = next(c for c in zoo.cases_of("qwen2") if c.variant == "mixed")
+    zoo.check_parity(case, path, 1, 2, virtual_pipeline_size=2)
+    zoo.check_generate(case, path, 1, 2, rank, virtual_pipeline_size=2)
+    zoo.check_checkpoints(case, path, 1, 2, scratch, virtual_pipeline_size=2)
+
+
+def test_interleaved_stages_holding_both_kinds_of_layers(zoo_checkpoints, tmp_path):
+    """Qwen2 with full layers 0-1 and sliding-window layers 2-3 at pp=2 with two chunks per stage: each stage holds
+    one layer of each kind, and its KV cache one slot of each (generate() decodes past the window of 4 keys)."""
+    path = os.path.join(zoo_checkpoints("qwen2"), "Qwen2ForCausalLM-mixed")
+    run_distributed(_check_mixed_layers, 2, path, str(tmp_path / "saved"), timeout=300)
+
+
 def _simulate(size: int, chunks: int, count: int) -> list[float]:
     """Run every rank's :func:`interleaved_order` with unit forwards, backwards of 2 and instant transfers;
     returns each rank's idle fraction of the step's span. Fails on a deadlock (no rank can go on)."""
