@@ -49,7 +49,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.mappings import copy_to_tensor_parallel
+from oslo.parallel.mappings import copy_many_to_tensor_parallel
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 
 __all__ = [
@@ -410,9 +410,12 @@ def _swap_in(module: nn.Module, args) -> None:
     summed, group = module.__dict__.get("_oslo_sequence_summed", ((), None))
     for name, param in module._parameters.items():
         if isinstance(param, DTensor):
-            value = local(param, specs.get(name))
-            module._parameters[name] = copy_to_tensor_parallel(value, group) if name in summed else value
+            module._parameters[name] = local(param, specs.get(name))
             swapped.append((name, param))
+    names = [name for name, _ in swapped if name in summed]
+    if names:  # one all-reduce for the module's gradients (a norm's weight and bias arrive together)
+        values = copy_many_to_tensor_parallel([module._parameters[name] for name in names], group)
+        module._parameters.update(zip(names, values, strict=True))
     module.__dict__.setdefault("_oslo_swapped", []).append(swapped)
 
 

@@ -64,6 +64,25 @@ class _CopyToTensorParallel(torch.autograd.Function):
         return all_reduce(grad.clone(), ctx.group), None
 
 
+class _CopyManyToTensorParallel(torch.autograd.Function):
+    """Forward: identity of each tensor. Backward: one all-reduce (sum) of all their gradients, flattened together."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad).reshape(-1)
+                          for grad, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)])
+        summed = all_reduce(flat, ctx.group)
+        sizes = [shape.numel() for shape, _, _ in ctx.shapes]
+        return (None, *(part.view(shape) for part, (shape, _, _) in zip(summed.split(sizes), ctx.shapes,
+                                                                         strict=True)))
+
+
 class _ReduceFromTensorParallel(torch.autograd.Function):
     """Forward: all-reduce (sum). Backward: identity."""
 
@@ -212,6 +231,14 @@ def copy_to_tensor_parallel(tensor: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return tensor
     return _CopyToTensorParallel.apply(tensor, group)
+
+
+def copy_many_to_tensor_parallel(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """:func:`copy_to_tensor_parallel` of several tensors whose gradients arrive together (one module's parameters):
+    their gradients summed over the group in one all-reduce. Tensors of one dtype."""
+    if group_size(group) == 1 or len(tensors) < 2 or len({t.dtype for t in tensors}) > 1:
+        return [copy_to_tensor_parallel(t, group) for t in tensors]
+    return list(_CopyManyToTensorParallel.apply(group, *tensors))
 
 
 def reduce_from_tensor_parallel(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -19,9 +19,10 @@ from tests.helpers import save_reference
 from tests.models import zoo
 
 ARCHS = ["gpt2", "gpt_neo", "bert", "llama", "qwen2", "mistral"]
-# Replicated parameters of one block applied to sequence shards, whose gradients are summed over the
-# tensor-parallel group: the two norms' weights (and biases: LayerNorm), the row-parallel layers' biases.
-SUMMED_PER_BLOCK = {"gpt2": 6, "gpt_neo": 6, "bert": 6, "llama": 2, "qwen2": 2, "mistral": 2}
+# Replicated parameters of one block applied to sequence shards have their gradients summed over the
+# tensor-parallel group, one all-reduce per module: the two norms (a LayerNorm's weight and bias together) and the
+# two row-parallel layers' biases; RMSNorm's weights only in the Llama family.
+SUMMED_PER_BLOCK = {"gpt2": 4, "gpt_neo": 4, "bert": 4, "llama": 2, "qwen2": 2, "mistral": 2}
 
 
 def _anchor(arch: str) -> zoo.Case:
