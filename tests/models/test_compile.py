@@ -16,6 +16,7 @@ import torch
 import transformers
 
 import oslo
+from oslo.parallel.dtensor import plain
 from tests.models.zoo import Case, all_cases, compare_outputs
 
 # Qwen2's and Mistral's heads are Llama's classes over their bodies: their causal LMs stand for them here.
@@ -40,7 +41,8 @@ def _small_config(case: Case):
 
 
 def _gradients(model) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    """Every parameter's gradient on this rank (a DTensor's local tensor), copied; ``None`` where there is none."""
+    return {name: None if p.grad is None else plain(p.grad).clone() for name, p in model.named_parameters()}
 
 
 def assert_same_gradients(actual: dict, expected: dict, key: str) -> None:
@@ -52,26 +54,32 @@ def assert_same_gradients(actual: dict, expected: dict, key: str) -> None:
             torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{key} {n}: {m}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
-def test_compiled_calls_equal_eager(case):
-    torch._dynamo.reset()
-    model = getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train()
+def check_compiled_calls(model, case: Case, backend: str = "aot_eager", inference: bool = True) -> None:
+    """A training call of ``model`` (in training mode) under ``torch.compile(fullgraph=True, backend=backend)``
+    gives the eager call's loss, outputs and gradients (this rank's); then, with ``inference``, an inference call
+    compiled with Dynamo's graph as it is gives eager's outputs."""
     batch = case.batch()
-
     expected = model(**batch)
     case.loss(expected).backward()
     expected_grads = _gradients(model)
     model.zero_grad(set_to_none=True)
-    actual = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch)
+    actual = torch.compile(model, fullgraph=True, backend=backend)(**batch)
     case.loss(actual).backward()
     torch.testing.assert_close(case.loss(actual), case.loss(expected))
     compare_outputs(actual, expected, case.key)
     assert_same_gradients(_gradients(model), expected_grads, case.key)
+    if inference:
+        model.eval()
+        with torch.no_grad():
+            compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
+                            f"{case.key} (inference)")
 
-    model.eval()
-    with torch.no_grad():
-        compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
-                        f"{case.key} (inference)")
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
+def test_compiled_calls_equal_eager(case):
+    torch._dynamo.reset()
+    check_compiled_calls(getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train(),
+                         case)
 
 
 def _gpt2_with_dropout():

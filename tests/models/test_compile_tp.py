@@ -20,14 +20,9 @@ import oslo
 from oslo.parallel import InputMismatchError
 from oslo.parallel.dtensor import plain
 from tests.distributed import run_distributed
-from tests.models.test_compile import CASES, _small_config, assert_same_gradients
-from tests.models.zoo import compare_outputs
+from tests.models.test_compile import CASES, _small_config, check_compiled_calls
 
 ARCHS = list(dict.fromkeys(case.arch for case in CASES))
-
-
-def _local_grads(model) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else plain(p.grad).clone() for name, p in model.named_parameters()}
 
 
 def _compiled_equal_eager(rank, world_size, arch):
@@ -36,23 +31,9 @@ def _compiled_equal_eager(rank, world_size, arch):
         torch._dynamo.reset()
         model = getattr(oslo, case.name).from_config_with_parallel(
             _small_config(case), tensor_parallel_size=2, seed=0).train()
-        batch = case.batch()
-        expected = model(**batch)
-        case.loss(expected).backward()
-        expected_grads = _local_grads(model)
-        model.zero_grad(set_to_none=True)
         # The anchors through AOTAutograd (the graphs a compiler backend gets), the others with Dynamo's graph as
         # it is (the graph breaks are Dynamo's; half the time): the classes of an architecture share their layers.
-        backend = "aot_eager" if case.anchor else "eager"
-        actual = torch.compile(model, fullgraph=True, backend=backend)(**batch)
-        case.loss(actual).backward()
-        torch.testing.assert_close(case.loss(actual), case.loss(expected))
-        compare_outputs(actual, expected, case.key)
-        assert_same_gradients(_local_grads(model), expected_grads, case.key)
-        model.eval()
-        with torch.no_grad():
-            compare_outputs(torch.compile(model, fullgraph=True, backend="eager")(**batch), model(**batch),
-                            f"{case.key} (inference)")
+        check_compiled_calls(model, case, backend="aot_eager" if case.anchor else "eager")
         checked.append(case.key)
     return checked
 
@@ -68,16 +49,7 @@ def _sequence_parallel_compiled(rank, world_size, arch):
     torch._dynamo.reset()
     model = getattr(oslo, case.name).from_config_with_parallel(
         _small_config(case), tensor_parallel_size=2, seed=0, sequence_parallel=True).train()
-    batch = case.batch()
-    expected = model(**batch)
-    case.loss(expected).backward()
-    expected_grads = _local_grads(model)
-    model.zero_grad(set_to_none=True)
-    actual = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch)
-    case.loss(actual).backward()
-    torch.testing.assert_close(case.loss(actual), case.loss(expected))
-    compare_outputs(actual, expected, case.key)
-    assert_same_gradients(_local_grads(model), expected_grads, case.key)
+    check_compiled_calls(model, case, inference=False)
     return case.key
 
 
