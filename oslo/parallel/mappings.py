@@ -70,17 +70,14 @@ class _CopyManyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *tensors):
         ctx.group = group
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad).reshape(-1)
-                          for grad, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)])
-        summed = all_reduce(flat, ctx.group)
-        sizes = [shape.numel() for shape, _, _ in ctx.shapes]
-        return (None, *(part.view(shape) for part, (shape, _, _) in zip(summed.split(sizes), ctx.shapes,
-                                                                         strict=True)))
+        # autograd materializes a missing gradient as zeros; the concatenation is a copy of the incoming ones
+        summed = all_reduce(torch.cat([grad.reshape(-1) for grad in grads]), ctx.group)
+        return (None, *(part.view_as(grad) for part, grad in zip(summed.split([g.numel() for g in grads]), grads,
+                                                                   strict=True)))
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
