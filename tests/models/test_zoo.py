@@ -24,11 +24,7 @@ def test_zoo(zoo_checkpoints, tmp_path, arch, tp, pp):
         stages = [set(results[stage * tp]["held"].get(case.key, ())) for stage in range(pp)]
         if not any(stages):  # a case the pipeline does not train
             continue
-        names: dict[int, set[str]] = {}
-        for name, param in getattr(transformers, case.name).from_pretrained(f"{root}/{case.key}").named_parameters(
-                remove_duplicate=False):
-            names.setdefault(id(param), set()).add(name)
-        for group in names.values():
+        for group in zoo.weight_names(getattr(transformers, case.name).from_pretrained(f"{root}/{case.key}")):
             holders = [stage for stage, held in enumerate(stages) if group & held]
             assert holders, f"{case.key}: {sorted(group)} on no stage"
             assert len(group) > 1 or len(holders) == 1, f"{case.key}: {sorted(group)} on stages {holders}"

@@ -155,6 +155,14 @@ def compare_outputs(actual, expected, name: str) -> None:
         _compare(actual[key], value, f"{name}.{key}")
 
 
+def weight_names(model) -> list[set[str]]:
+    """The names of each weight of ``model``: a tied weight's several names in one set."""
+    names: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), set()).add(name)
+    return list(names.values())
+
+
 def reference_grads(reference) -> dict[str, torch.Tensor]:
     """The reference's gradients by every name, tied copies included (``lm_head.weight``)."""
     return {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
@@ -448,9 +456,6 @@ def check_training(case: Case, path: str, pp: int, results: list) -> None:
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{case.key} {n}: {m}")
         seen |= set(params)
         torch.testing.assert_close(losses, own, msg=lambda m: f"{case.key} losses: {m}")
-    groups: dict[int, set[str]] = {}
-    for name, param in getattr(transformers, case.name).from_pretrained(path).named_parameters(
-            remove_duplicate=False):
-        groups.setdefault(id(param), set()).add(name)
-    missing = [sorted(names) for names in groups.values() if not names & seen]
+    missing = [sorted(names) for names in weight_names(getattr(transformers, case.name).from_pretrained(path))
+               if not names & seen]
     assert not missing, f"{case.key}: held by no rank: {missing}"

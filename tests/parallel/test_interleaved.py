@@ -108,11 +108,8 @@ def test_interleaved_training_equals_one_process(tmp_path, arch):
         held = set().union(*(params for _, params in by_layout.values()))
         assert held, f"stage {stage} holds nothing"
     covered = set().union(*(set(params) for by_layout in results for _, params in by_layout.values()))
-    names_of: dict[int, set[str]] = {}  # every weight of the reference, by its names (tied ones share one)
-    for name, param in reference.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), set()).add(name)
-    assert all(names & covered for names in names_of.values()), \
-        [sorted(names) for names in names_of.values() if not names & covered]
+    missing = [sorted(names) for names in zoo.weight_names(reference) if not names & covered]
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("arch", ARCHS)
