@@ -698,6 +698,7 @@ def undistribute_parameters(model: nn.Module) -> bool:
         for handle in module.__dict__.pop("_oslo_hooks", ()):
             handle.remove()
     model._oslo_distributed = False
+    model._oslo_plain_leaves = False
     return plain_leaves
 
 
@@ -723,6 +724,7 @@ def use_plain_leaves(model: nn.Module) -> None:
             storage._oslo_mirrors = True
         dt._oslo_plain_leaf = True
         _mirror_gradient(storage)
+    model._oslo_plain_leaves = True
 
 
 def _view_storage(dt: DTensor) -> None:
@@ -780,8 +782,11 @@ class _PlainLeaves(nn.Module):
 
 
 def trains_plain_leaves(model: nn.Module) -> bool:
-    """Whether ``model``'s storages train in its DTensors' place (after :func:`plain_leaves_module`)."""
-    return any(isinstance(p, DTensor) and getattr(p, "_oslo_plain_leaf", False) for p in model.parameters())
+    """Whether ``model``'s storages train in its DTensors' place (after :func:`plain_leaves_module`): a flag that
+    :func:`use_plain_leaves` sets on the model it converts and :func:`undistribute_parameters` clears, read on
+    every call without walking the parameters (a compiled call would trace that walk, each module's parameters
+    one by one)."""
+    return bool(model.__dict__.get("_oslo_plain_leaves", False))
 
 
 def plain_leaves_module(model: nn.Module) -> nn.Module:
