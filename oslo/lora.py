@@ -169,11 +169,6 @@ def _make_class():
             self._oslo_features = (base.in_features, base.out_features)
             context = _context_of(base)
             self._oslo_context = context if context is not None and context.world_size > 1 else None
-            if getattr(base, "sequence", None) is not None and config.use_dora:
-                raise NotImplementedError(
-                    f"DoRA on a {type(base).__name__} of a model built with sequence_parallel=True is not implemented "
-                    "yet (plain LoRA, use_rslora and lora_bias are): build the model with sequence_parallel=False to "
-                    "fine-tune it with DoRA.")
             if getattr(base, "transposed", False) and not config.fan_in_fan_out:  # as PEFT does for Conv1D
                 warnings.warn(f"fan_in_fan_out is set to False but the target module {type(base).__name__} stores its "
                               "weight as (in_features, out_features), as transformers' Conv1D. Setting "
@@ -318,30 +313,42 @@ def _make_class():
             scaling = self.scaling[name]
             if self.use_dora.get(name, False):
                 dropped = self.training and not isinstance(dropout, torch.nn.Identity)
-                if dropped and kind == COLUMN and not kwargs.get("input_is_copied", False):
+                shards = sequence if on_shards and not kwargs.get("input_is_copied", False) else None
+                if dropped and kind == COLUMN and shards is None and not kwargs.get("input_is_copied", False):
                     h = copy_to_tensor_parallel(h, group)  # the recomputed base output's share of x's gradient
-                return self._oslo_dora(name, h, result, lora, dropped)
+                return self._oslo_dora(name, h, result, lora, dropped, shards)
             if kind == COLUMN and base.gather_output:
                 lora = gather_from_tensor_parallel(lora, group, dim=-1)
             return lora * scaling
 
         def _oslo_dora(self, name: str, h: torch.Tensor, result: torch.Tensor, lora: torch.Tensor,
-                       dropped: bool) -> torch.Tensor:
+                       dropped: bool, shards=None) -> torch.Tensor:
             """DoRA's addition (PEFT's ``DoraLinearLayer.forward``) on this rank's output features: ``h`` the
             (dropped-out) input the adapter read (this rank's features on a row-parallel layer), ``lora`` its
-            ``B A h``. The weight norm is a constant, as in DoRA's paper and PEFT."""
+            ``B A h``. The weight norm is a constant, as in DoRA's paper and PEFT.
+
+            ``shards``: the layer's sequence-parallel state while it runs on sequence shards (``h`` then this rank's
+            shard on a column-parallel layer, gathered before the base output is recomputed from it; ``result`` and
+            ``lora`` this rank's shard on a row-parallel one, whose magnitude, applied to a shard, has its gradient
+            summed over the group)."""
             base = self.get_base_layer()
+            kind = self._oslo_kind
             weight = self._oslo_rows(_stored(base.weight)).to(h.dtype)
             with torch.no_grad():
                 norm = self._oslo_weight_norm(weight, self._oslo_rows(self.get_delta_weight(name)).to(h.dtype))
-            scale = self._oslo_whole(self.lora_magnitude_vector[name].local_weight()) / norm
+            magnitude = self._oslo_whole(self.lora_magnitude_vector[name].local_weight())
+            if shards is not None and kind == ROW:
+                magnitude = copy_to_tensor_parallel(magnitude, base.group)
+            scale = magnitude / norm
             if dropped:  # PEFT recomputes the base output on the dropped-out input
+                if shards is not None and kind == COLUMN:  # the dropped-out shard, gathered as the layer gathers x
+                    h = gather_sequence(h, base.group, shards.dim)
                 base_result = torch.nn.functional.linear(h, weight)
-                if self._oslo_kind == ROW:
-                    base_result = reduce_from_tensor_parallel(base_result, base.group)
+                if kind == ROW:
+                    base_result = (reduce_scatter_sequence(base_result, base.group, shards.dim) if shards is not None
+                                   else reduce_from_tensor_parallel(base_result, base.group))
             else:
-                specs = getattr(base, "parallel_specs", {})
-                base_result = result if base.bias is None else result - local(base.bias, specs.get("bias"))
+                base_result = result if base.bias is None else result - added_bias(base)
             return (scale - 1) * base_result + scale * lora * self.scaling[name]
 
         @property
