@@ -287,8 +287,9 @@ def _run_once(rank: int, world_size: int, conn: Connection, fn: Callable[..., An
         # Plain pickle copies tensor data into the message (no shared memory outliving this process).
         conn.send_bytes(pickle.dumps(("ok", _portable(fn(rank, world_size, *args, **kwargs)))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the launcher
+        status = "follows" if getattr(exc, "follows_another_rank", False) else "error"
         with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(("error", _error_text(exc))))
+            conn.send_bytes(pickle.dumps((status, _error_text(exc))))
     finally:
         _to_launcher = None
 
@@ -318,7 +319,10 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
         Each rank's result, tensors detached (a DTensor as its local tensor).
 
     Raises:
-        RankFailedError: A rank raised or ended without a result: the first to fail, with its traceback.
+        RankFailedError: A rank raised or ended without a result: the first to fail, with its traceback. An error
+            that only passes on another rank's failure (its class has ``follows_another_rank = True``: oslo's
+            ``PeerLostError``, ``RankFailedError``, ``PipelineAbortedError``) is the cause only when no rank failed
+            otherwise: a rank killed mid-collective is named, not the peer that lost it, whichever reported first.
         TimeoutError: Ranks did not finish within ``timeout``; names them.
     """
     kwargs = {} if kwargs is None else kwargs
@@ -328,6 +332,7 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
         duplex=False, daemon=False)  # not daemons: a rank may start processes of its own (a deployment)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    following: set[int] = set()  # ranks whose error passes on another rank's failure
     deadline = float("inf") if timeout is None else time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
@@ -354,15 +359,17 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
                     continue
                 if status == "ok" and rank in lost:
                     status, payload = "error", f"was to end its process (os._exit(LOST_EXIT)) but returned {payload!r}"
-                if status == "error":
+                if status in ("error", "follows"):
                     failures[rank] = payload
+                    if status == "follows":
+                        following.add(rank)
                     # The others may be stuck in a collective with this rank: they get `grace` s, then are killed.
                     deadline = min(deadline, time.monotonic() + grace)
                 else:
                     results[rank] = payload
         if failures:
-            # The first failure to arrive is the cause; ranks that failed later usually lost their peer.
-            rank = next(iter(failures))
+            # The first failure to arrive that is not only another's passed on is the cause.
+            rank = next((r for r in failures if r not in following), next(iter(failures)))
             raise RankFailedError(rank, failures[rank], set(failures) - {rank})
     finally:
         _kill(processes)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from oslo import launch
+from oslo.parallel.errors import PeerLostError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,6 +96,27 @@ def test_lost_ranks_and_a_rank_that_exits_without_a_result():
         launch.run(_dies, 2, (3,), timeout=30)
     with pytest.raises(launch.RankFailedError, match=r"rank 1 failed:\nwas to end its process"):
         launch.run(_returns, 2, lost={1}, timeout=30)  # no other rank fails first
+
+
+def _killed_while_the_peer_reports_losing_it(rank, world_size, error):
+    if rank == 0:
+        time.sleep(1.0)  # the peer's error reaches the launcher first
+        os._exit(3)
+    raise error
+
+
+@pytest.mark.parametrize("error", [PeerLostError("rank 1 lost its connection to global rank 0"),
+                                   RuntimeError("rank 1 failed on its own")], ids=["passed-on", "its-own"])
+def test_the_cause_is_the_rank_that_failed_not_the_peer_that_lost_it(error):
+    """A rank killed mid-collective: its peer's ``PeerLostError`` (an error that passes on another rank's failure)
+    arrives first, yet the killed rank is named the cause. An error of the peer's own stays the cause."""
+    with pytest.raises(launch.RankFailedError) as raised:
+        launch.run(_killed_while_the_peer_reports_losing_it, 2, (error,), timeout=30)
+    if isinstance(error, PeerLostError):
+        assert (raised.value.rank, raised.value.others) == (0, [1])
+        assert str(raised.value).startswith("rank 0 failed (then ranks [1] failed too):\nexited without a result")
+    else:
+        assert (raised.value.rank, raised.value.others) == (1, [0])
 
 
 def _reports(rank, world_size):

@@ -19,6 +19,8 @@ __all__ = ["PeerLostError", "PeerTimeoutError", "RankFailedError", "comm_error",
 class RankFailedError(RuntimeError):
     """Raised on every rank when some other rank failed during a step they share."""
 
+    follows_another_rank = True  # the launcher (oslo.launch.run) names the rank that failed first as the cause
+
 
 class PeerTimeoutError(RuntimeError):
     """Raised on a rank whose peers did not join a collective within the context's timeout."""
@@ -27,6 +29,8 @@ class PeerTimeoutError(RuntimeError):
 class PeerLostError(RuntimeError):
     """Raised on a rank whose connection to a peer closed during a collective: the peer's process ended
     (killed, out of memory, crashed) and the step cannot complete."""
+
+    follows_another_rank = True
 
 
 # How gloo (and NCCL) report a peer whose process ended: its socket closed, was reset, or refuses.

@@ -275,6 +275,8 @@ def split_micro_batches(inputs: dict[str, Any], micro_batch_size: int) -> list[d
 class PipelineAbortedError(RuntimeError):
     """Raised on a stage whose neighbour failed during the same pipeline step."""
 
+    follows_another_rank = True  # see oslo.launch.run
+
 
 class StageLink:
     """Point-to-point transfers between this stage and its neighbours (and broadcasts from the last).
