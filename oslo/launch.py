@@ -1,8 +1,8 @@
 """The one local launcher: ranks on this machine with the environment ``torchrun`` gives them.
 
 Every rank is a process that starts with the launcher's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), so oslo initializes
-torch.distributed itself exactly as under ``torchrun``. Two ways to use them:
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a ``MASTER_PORT``), so oslo initializes torch.distributed
+itself exactly as under ``torchrun``. Two ways to use them:
 
 * :func:`run` runs ``fn(rank, world_size, *args)`` once on every rank and returns the results in rank order
   (``python -m oslo check``, the tests, the benchmarks). A rank that raises fails the run with a
@@ -328,7 +328,9 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
     kwargs = {} if kwargs is None else kwargs
     processes, connections, _ = _start(
         _run_once, world_size, (fn, tuple(args), kwargs), start_method=start_method, threads=threads,
-        launcher_variables=launcher_variables, loopback=False, die_with_parent=False, name="oslo-rank",
+        # The rendezvous port is bound here and handed to rank 0's store (loopback): a launch running beside this
+        # one (another test, another check) cannot take it between choosing it and listening on it.
+        launcher_variables=launcher_variables, loopback=True, die_with_parent=False, name="oslo-rank",
         duplex=False, daemon=False)  # not daemons: a rank may start processes of its own (a deployment)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
