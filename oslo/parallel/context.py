@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import os
 from datetime import timedelta
 
@@ -445,6 +446,33 @@ class ParallelContext:
         value = torch.tensor([seed], dtype=torch.int64, device=self.device)
         dist.broadcast(value, src=0, group=self.world_group)
         return int(value.item())
+
+    def manual_seed(self, seed: int) -> None:
+        """Reseed the model's random streams (dropout, sampling in ``generate()``), as ``torch.manual_seed`` reseeds
+        torch's: the streams start afresh from ``seed``, as a model built with ``seed=seed`` starts them. Call it
+        on every rank of the model with the same seed (the ranks of one tensor/pipeline-parallel group compare
+        theirs and all raise ``ValueError`` if they differ: the replicated activations' dropout masks would part
+        ways); data-parallel replicas may use different seeds."""
+        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+            seed = int(seed)  # a NumPy integer too, as torch.manual_seed takes
+        group = self.model_parallel_group
+        seeds, ranks = [seed], [self.rank]
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            seeds = [None] * dist.get_world_size(group)
+            with naming_timeouts(self, "comparing the seeds of manual_seed", "manual_seed runs on every rank", group):
+                dist.all_gather_object(seeds, seed, group=group)  # first: a bad seed on one rank raises on all
+            ranks = dist.get_process_group_ranks(group)
+        given = ", ".join(f"global rank {rank}: {value!r}" for rank, value in zip(ranks, seeds, strict=True))
+        if any(isinstance(value, bool) or not isinstance(value, int) for value in seeds):
+            raise TypeError(f"manual_seed takes an integer seed, got {given if len(seeds) > 1 else repr(seed)}. "
+                            "Pass e.g. 42 on every rank.")
+        if len(set(seeds)) > 1:
+            raise ValueError(
+                f"manual_seed was given different seeds on the ranks of one model ({given}). Pass the same seed on "
+                "every rank of a tensor/pipeline-parallel group: the replicated activations must draw the same "
+                "dropout masks on all of them.")
+        self.seed = seed
+        self.rng.manual_seed(seed)
 
     def describe_rank(self, global_rank: int) -> str:
         """``"global rank 3 (pipeline stage 1, tensor-parallel rank 1)"``: where a rank sits in the grid."""

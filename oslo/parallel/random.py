@@ -67,10 +67,21 @@ class ParallelRNG:
     """
 
     def __init__(self, seed: int, tensor_parallel_rank: int, device: torch.device) -> None:
-        self._seeds = {"replicated": seed, "split": seed + _SPLIT_SEED_OFFSET + tensor_parallel_rank}
+        self._tensor_parallel_rank = tensor_parallel_rank
+        self._seeds = self._stream_seeds(seed)
         self.device = _concrete(device)
         self._states = {stream: _seeded_state(value, self.device) for stream, value in self._seeds.items()}
         self._active: str | None = None
+
+    def _stream_seeds(self, seed: int) -> dict[str, int]:
+        return {"replicated": seed, "split": seed + _SPLIT_SEED_OFFSET + self._tensor_parallel_rank}
+
+    def manual_seed(self, seed: int) -> None:
+        """Start both streams afresh from ``seed``, as a build with ``seed`` starts them."""
+        if self._active is not None:
+            raise RuntimeError("the model's random streams cannot be reseeded inside a forward pass")
+        self._seeds = self._stream_seeds(seed)
+        self._states = {stream: _seeded_state(value, self.device) for stream, value in self._seeds.items()}
 
     def to(self, device: torch.device | str) -> None:
         """Make the streams stand in for ``device``'s generator (the model's parameters moved there).
