@@ -6,6 +6,8 @@ model of several processes refuses with a clear error on every rank (not impleme
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -290,6 +292,67 @@ def test_dora_with_sequence_parallelism_equals_peft_on_transformers(name, varian
     _reference_adapter(case, tmp_path, **VARIANTS[variant])
     assert run_distributed(_split_equals_peft, 2, name, str(tmp_path), 2, 1, timeout=300,
                            sequence_parallel=True) == [True, True]
+
+
+def _prompt_learned(rank, world_size, path, tensor_parallel_size, pipeline_parallel_size, method):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    config = getattr(peft, method)(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    adapted = []
+    for base in (reference, model):
+        torch.manual_seed(3)  # the same prompt parameters for both
+        adapted.append(peft.get_peft_model(base, copy.deepcopy(config)))
+    theirs, ours = adapted
+    input_ids = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            compare_outputs(ours(input_ids=input_ids), theirs(input_ids=input_ids), method)
+    except (NotImplementedError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    for model in (ours, theirs):
+        model.train()
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    expected, actual = _grads_by_name(theirs), _grads_by_name(ours)
+    assert sorted(actual) == sorted(expected) and actual
+    for key, grad in actual.items():
+        torch.testing.assert_close(grad, expected[key], msg=lambda m, k=key: f"{k}: {m}")
+    with torch.no_grad():
+        options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.eval().generate(input_ids=input_ids, **options),
+                           theirs.eval().generate(input_ids=input_ids, **options))
+    return True
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1)], ids=str)
+def test_prompt_tuning_equals_peft_on_transformers(tmp_path, layout):
+    """PEFT's prompt tuning (virtual tokens embedded in front of the input) with tensor parallelism: outputs, the
+    prompt's gradient and generate() as PEFT on transformers. (With pipelines PEFT itself fails: it embeds the
+    tokens on every rank, and a later stage holds no embeddings.)"""
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    tp, pp = layout
+    assert run_distributed(_prompt_learned, tp * pp, str(tmp_path / "base"), tp, pp, "PromptTuningConfig",
+                           timeout=120) == [True] * (tp * pp)
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=str)
+def test_prefix_tuning_works_in_one_process_and_refuses_a_split_model(tmp_path, layout):
+    """PEFT's prefix tuning hands the model a KV cache of every head of every layer. In one process that is
+    transformers' layout and the model equals PEFT on transformers; a split model caches its own heads of its own
+    stage's layers, so it refuses such a cache on every rank (a later stage, which would have read another layer's
+    entries, hears of it from the first)."""
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    tp, pp = layout
+    said = run_distributed(_prompt_learned, tp * pp, str(tmp_path / "base"), tp, pp, "PrefixTuningConfig",
+                           timeout=120)
+    if tp * pp == 1:
+        assert said == [True]
+        return
+    assert said[0].startswith("NotImplementedError: past_key_values holds 4 positions this model did not cache"), said
+    for other in said[1:]:
+        assert "past_key_values holds 4 positions this model did not cache" in other, said
 
 
 def _mixed_batch(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size):

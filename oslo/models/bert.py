@@ -56,7 +56,7 @@ from oslo.kernels import (
     scaled_masked_softmax,
 )
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.body import BodyState, StagedBody, adopt_cache, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
     CausalLMHead,
@@ -581,6 +581,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
 
         if use_cache and cache is None:
             cache = DynamicCache(config=config)  # each rank caches its own heads
+        adopt_cache(cache, self.parallel_context)
         past_length = cache.get_seq_length() if cache is not None else 0
         embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
         if config.is_decoder:

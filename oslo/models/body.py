@@ -139,6 +139,29 @@ class StagedBody:
                 sequence.suspended = False  # a recomputation in the backward (activation checkpointing) is split
 
 
+def adopt_cache(cache, context) -> None:
+    """Check the KV cache a call was given (``past_key_values``) and mark it as this model's.
+
+    With several tensor-parallel ranks each rank caches only its own heads, and with pipelines each stage only its
+    own layers (from slot 0): a cache this model did not fill (built by PEFT's prefix tuning, or taken from a
+    transformers model's output) holds every head of every layer, and reading it would fail on a shape or, on a
+    later stage, silently read another layer's entries. Such a cache, not empty, raises ``NotImplementedError`` (on
+    every rank: each holds the same); an empty one (``DynamicCache()``, the one ``generate()`` or the call itself
+    makes) is adopted, and so is every cache in one process, where it is transformers' own layout."""
+    if cache is None or getattr(cache, "_oslo_filled", False):
+        return
+    tp, pp = context.tensor_parallel_size, context.pipeline_parallel_size
+    if tp * pp > 1 and cache.get_seq_length() > 0:
+        raise NotImplementedError(
+            f"past_key_values holds {cache.get_seq_length()} positions this model did not cache (a cache built "
+            "outside it, e.g. by PEFT's prefix tuning or from a transformers model's output). At "
+            f"tensor_parallel_size={tp}, pipeline_parallel_size={pp} each rank caches only its own attention heads "
+            "of its own stage's layers, so such a cache cannot be read. Pass the past_key_values of this model's own "
+            "output (or none); to tune prompts at this layout use PEFT's prompt tuning or LoRA. Prefix tuning works "
+            "in one process.")
+    cache._oslo_filled = True
+
+
 def stand_in_embeds(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """What transformers' mask builders read from ``inputs_embeds`` (batch, length, dtype, device),
@@ -217,6 +240,7 @@ class DecoderBody(StagedBody):
                 inputs_embeds = inputs_embeds.view(-1, input_shape[-1], inputs_embeds.shape[-1])
         if use_cache and cache is None:
             cache = DynamicCache(config=config)  # each rank caches its own heads, each stage its own layers
+        adopt_cache(cache, self.parallel_context)
         embeds = stand_in_embeds(input_ids, inputs_embeds, self.dtype, self.device)
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, embeds.shape[1])

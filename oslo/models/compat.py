@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -35,16 +36,17 @@ _CAUSAL_MASK_CACHE = _cache_argument(_create_causal_mask)
 
 
 def rename_legacy_cache(kwargs: dict) -> dict:
-    """``kwargs`` with ``past_key_values`` moved to ``cache`` (in place). Both given: ``TypeError``, as
-    Python answers an argument given twice."""
+    """``kwargs`` with ``past_key_values`` moved to ``cache`` (in place). Both given, ``cache`` is used and
+    ``past_key_values`` dropped with a ``FutureWarning``, as transformers' models do (its ``deprecate_kwarg``):
+    ``generate()`` passes ``cache=`` while code written for the older name (PEFT's prefix tuning) adds
+    ``past_key_values=``."""
     if LEGACY_CACHE_NAME in kwargs:
         legacy = kwargs.pop(LEGACY_CACHE_NAME)
-        if kwargs.get("cache") is not None and legacy is not None:
-            raise TypeError(
-                "got both cache= and past_key_values= (its name before transformers 5.24): pass the KV cache "
-                "once, as cache=."
-            )
-        if legacy is not None or "cache" not in kwargs:
+        if "cache" in kwargs:
+            warnings.warn(f"Both `{LEGACY_CACHE_NAME}` and `cache` are set: using `cache` and ignoring "
+                          f"`{LEGACY_CACHE_NAME}` (its name before transformers 5.24), as transformers does.",
+                          FutureWarning, stacklevel=3)
+        else:
             kwargs["cache"] = legacy
     return kwargs
 
@@ -60,8 +62,13 @@ def accepts_legacy_cache_name(forward: Callable) -> Callable:
         if LEGACY_CACHE_NAME not in kwargs:
             return forward(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)  # past_key_values lands in **kwargs, cache where it was given
+        if "cache" in bound.arguments and "cache" not in kwargs:  # positionally, and by its other name
+            raise TypeError(f"{forward.__qualname__}() got multiple values for argument 'cache' (a positional "
+                            f"cache and {LEGACY_CACHE_NAME}=, its name before transformers 5.24)")
         extra = bound.arguments[var_keyword]
-        given = {"cache": bound.arguments.get("cache"), LEGACY_CACHE_NAME: extra.pop(LEGACY_CACHE_NAME)}
+        given = {LEGACY_CACHE_NAME: extra.pop(LEGACY_CACHE_NAME)}
+        if "cache" in kwargs:
+            given["cache"] = kwargs["cache"]
         bound.arguments["cache"] = rename_legacy_cache(given)["cache"]
         return forward(*bound.args, **bound.kwargs)
 

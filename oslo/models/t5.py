@@ -54,7 +54,7 @@ from transformers.models.t5.modeling_t5 import T5Attention as _TransformersT5Att
 from transformers.models.t5.modeling_t5 import eager_attention_forward
 
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, StagedBody, stand_in_embeds
+from oslo.models.body import BodyState, StagedBody, adopt_cache, stand_in_embeds
 from oslo.models.compat import CACHE_FIELD, accepts_legacy_cache_name, create_causal_mask
 from oslo.models.heads import (
     QuestionAnsweringHead,
@@ -570,6 +570,7 @@ class _T5Stacks(StagedBody):
             use_cache = False  # the recomputation would add the keys and values a second time
         if use_cache and cache is None:
             cache = self._new_cache()
+        adopt_cache(cache, self.parallel_context)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         decoder_embeds = stand_in_embeds(decoder_input_ids, decoder_inputs_embeds, dtype, device)
         state.decoder_sharded = splits_sequences(self.parallel_context, decoder_embeds.shape[1])

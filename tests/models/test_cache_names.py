@@ -43,15 +43,23 @@ def test_either_name_uses_the_cache(models, name):
         torch.testing.assert_close(ours, theirs)
 
 
-def test_both_names_at_once_are_refused(models):
-    _, model = models
-    ids = torch.tensor([[5, 17]])
-    with pytest.raises(TypeError, match="both cache= and past_key_values="):
-        model(ids, cache=DynamicCache(), past_key_values=DynamicCache())
-    with pytest.raises(TypeError, match="both cache= and past_key_values="):
+def test_both_names_at_once_use_cache_as_transformers_does(models):
+    """Both names as keywords: ``cache`` is used and ``past_key_values`` ignored with a ``FutureWarning``, as
+    transformers' models do (``generate()`` passes ``cache=`` while PEFT's prefix tuning adds
+    ``past_key_values=``); a positional cache and ``past_key_values=`` is an argument given twice."""
+    reference, model = models
+    ids = torch.tensor([[5, 17, 900]])
+    with torch.no_grad():
+        filled = model(ids[:, :2])[CACHE_FIELD]  # two positions that would shift the next call if it read them
+        for call in (model, model.transformer):
+            with pytest.warns(FutureWarning, match="ignoring `past_key_values`"):
+                output = call(ids, cache=DynamicCache(), past_key_values=filled)
+            assert output[CACHE_FIELD].get_seq_length() == 3  # the empty cache was used, the filled one ignored
+        with pytest.warns(FutureWarning):
+            ours = model(ids, cache=None, past_key_values=filled).logits
+        torch.testing.assert_close(ours, reference(ids).logits)
+    with pytest.raises(TypeError, match="multiple values for argument 'cache'"):
         model(ids, DynamicCache(), past_key_values=DynamicCache())
-    with pytest.raises(TypeError, match="both cache= and past_key_values="):
-        model.transformer(ids, cache=DynamicCache(), past_key_values=DynamicCache())
 
 
 _BODIES = {
