@@ -43,9 +43,10 @@ def rename_legacy_cache(kwargs: dict) -> dict:
     if LEGACY_CACHE_NAME in kwargs:
         legacy = kwargs.pop(LEGACY_CACHE_NAME)
         if "cache" in kwargs:
-            warnings.warn(f"Both `{LEGACY_CACHE_NAME}` and `cache` are set: using `cache` and ignoring "
-                          f"`{LEGACY_CACHE_NAME}` (its name before transformers 5.24), as transformers does.",
-                          FutureWarning, stacklevel=3)
+            if not torch.compiler.is_compiling():  # as transformers: a warning would break a compiled graph
+                warnings.warn(f"Both `{LEGACY_CACHE_NAME}` and `cache` are set: using `cache` and ignoring "
+                              f"`{LEGACY_CACHE_NAME}` (its name before transformers 5.24), as transformers does.",
+                              FutureWarning, stacklevel=3)
         else:
             kwargs["cache"] = legacy
     return kwargs
