@@ -276,11 +276,12 @@ def _make_class():
             # rank's sequence shard and gathers it, a row-parallel one reduce-scatters its output into shards.
             sequence = getattr(base, "sequence", None)
             on_shards = sequence is not None and sequence.active
+            copied = kwargs.get("input_is_copied", False)
             if kind == "replicated":  # every rank computes the whole, identical product
                 h = dropout(h)
                 z = torch.nn.functional.linear(h, a)
             elif kind == COLUMN:
-                if kwargs.get("input_is_copied", False):
+                if copied:
                     # x's gradient is summed over the group where it was copied (or gathered): this path's share
                     # stays partial, and A's gradient (partial too) is summed here.
                     h = dropout(h)
@@ -313,8 +314,8 @@ def _make_class():
             scaling = self.scaling[name]
             if self.use_dora.get(name, False):
                 dropped = self.training and not isinstance(dropout, torch.nn.Identity)
-                shards = sequence if on_shards and not kwargs.get("input_is_copied", False) else None
-                if dropped and kind == COLUMN and shards is None and not kwargs.get("input_is_copied", False):
+                shards = sequence if on_shards and not copied else None
+                if dropped and kind == COLUMN and not on_shards and not copied:
                     h = copy_to_tensor_parallel(h, group)  # the recomputed base output's share of x's gradient
                 return self._oslo_dora(name, h, result, lora, dropped, shards)
             if kind == COLUMN and base.gather_output:
