@@ -1,4 +1,4 @@
-"""PEFT's LoRA on oslo's linear layers.
+"""PEFT's LoRA and (IA)^3 on oslo's linear layers.
 
 PEFT builds its LoRA wrappers for ``nn.Linear`` and transformers' ``Conv1D``; oslo's layers are
 :class:`~oslo.parallel.ColumnParallelLinear` and :class:`~oslo.parallel.RowParallelLinear` (GPT2's with
@@ -14,13 +14,16 @@ tensor_parallel_size, data-parallel replicas) the LoRA matrices are DTensors spl
 replicated ones. There the class computes the adapter itself: plain LoRA, rsLoRA, ``lora_bias``, DoRA (its
 magnitude split like the output features) and PEFT's mixed batches (``adapter_names=``); other variants refuse.
 With pipelines each stage wraps the layers it holds, and the saved adapter gathers every stage's.
+:class:`ParallelIA3Linear` does the same for PEFT's ``IA3Model``: PEFT's own ``ia3.Linear`` in one process, vectors
+split like the features they scale with several processes.
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
-``LoraModel._create_new_module`` (oslo's layers first), ``LoraModel.inject_adapter`` (the layers learn their
-model's parallel context), ``ModulesToSaveWrapper.update`` (a deep-copied DTensor computes on its own copy), the
-state dict that ``PeftModel.save_pretrained`` writes (whole tensors, every stage's), ``PeftModel.save_pretrained``
-itself (staged and published atomically, as oslo's saves; rank 0 writes) and the search for modules tied to the
-input embedding (a pipeline stage may have none).
+``LoraModel._create_new_module`` and ``IA3Model``'s (oslo's layers first), their ``inject_adapter`` (the layers
+learn their model's parallel context), their ``_check_merge_allowed`` (a layer tied across pipeline stages),
+``ModulesToSaveWrapper.update`` (a deep-copied DTensor computes on its own copy), the state dict that
+``PeftModel.save_pretrained`` writes (whole tensors, every stage's), ``PeftModel.save_pretrained`` itself (staged
+and published atomically, as oslo's saves; rank 0 writes) and the search for modules tied to the input embedding (a
+pipeline stage may have none).
 """
 
 from __future__ import annotations
@@ -50,12 +53,26 @@ from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
 from oslo.parallel.sequence import added_bias
 from oslo.parallel.ties import tie_families
 
-__all__ = ["ParallelLoraLinear", "install"]
+__all__ = ["ParallelIA3Linear", "ParallelLoraLinear", "install"]
 
 ParallelLoraLinear = None  # the class, once PEFT is imported (see install)
+ParallelIA3Linear = None  # the same for (IA)^3
 
 
-class _Shard(torch.nn.Module):
+class _KeepsDTensors:
+    """A module of adapter DTensors (``_oslo_context``: the model's parallel context): ``.to()`` and friends convert
+    the plain slices, and the DTensors are rebuilt around them, as for the model's own parameters (torch swaps a
+    DTensor parameter for a new one, which would not know its storage)."""
+
+    def _apply(self, fn, recurse=True):
+        plain_leaves = undistribute_parameters(self)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
+
+
+class _Shard(_KeepsDTensors, torch.nn.Module):
     """One LoRA matrix (``lora_A`` or ``lora_B``, with ``lora_bias`` its bias) or DoRA magnitude vector of a model of
     several processes: a ``weight`` (and ``bias``) DTensor on the tensor-parallel mesh like every oslo parameter,
     holding this rank's slice (``parallel_specs``; no entry: the whole tensor on every rank). Its state dict holds the
@@ -84,14 +101,6 @@ class _Shard(torch.nn.Module):
         """From whole tensors (``name=(tensor, spec)``), each rank keeping its slice."""
         return cls({name: (_slice(full, spec), tuple(full.shape), spec) for name, (full, spec) in wholes.items()},
                    context)
-
-    def _apply(self, fn, recurse=True):
-        # .to() and friends convert the plain slice; the DTensor is rebuilt around it (as for the model's own).
-        plain_leaves = undistribute_parameters(self)
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
 
     @property
     def spec(self) -> ShardSpec | None:
@@ -149,12 +158,86 @@ def _context_of(layer):
     return None if ref is None else ref()
 
 
+class _OnOsloLayer:
+    """What PEFT's layers adapted to oslo's linear layers share (:class:`ParallelLoraLinear` and
+    :class:`ParallelIA3Linear`): the kind of layer they wrap, its stored layout, and how a replicated layer of which
+    each rank reads part of the output is computed. ``_oslo_context``: the model's parallel context, ``None`` in one
+    process."""
+
+    def _oslo_adopt(self, base_layer, config):
+        """Before PEFT's constructor: learn the model's parallel context (``None`` in one process) and set the
+        config's ``fan_in_fan_out`` from the layer's layout, as PEFT sets it for ``Conv1D`` and ``nn.Linear`` (with
+        the same warning). Returns the oslo layer under ``base_layer``."""
+        base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
+        context = _context_of(base)
+        self._oslo_context = context if context is not None and context.world_size > 1 else None
+        transposed = bool(getattr(base, "transposed", False))
+        if transposed != bool(config.fan_in_fan_out):
+            layout = ("(in_features, out_features), as transformers' Conv1D" if transposed
+                      else "(out_features, in_features), as torch.nn.Linear")
+            warnings.warn(f"fan_in_fan_out is set to {bool(config.fan_in_fan_out)} but the target module "
+                          f"{type(base).__name__} stores its weight as {layout}. Setting fan_in_fan_out to "
+                          f"{transposed}.", stacklevel=4)
+            config.fan_in_fan_out = transposed
+        return base
+
+    def _oslo_write_merged(self, name: str, safe_merge: bool, weight: torch.Tensor, merged: torch.Tensor,
+                           bias: torch.Tensor | None, new_bias: torch.Tensor | None) -> None:
+        """Write adapter ``name``'s merged slices into the layer's stored ``weight`` (and ``bias``); with
+        ``safe_merge`` first check them, every rank of the group learning of a broken slice anywhere."""
+        if safe_merge:
+            broken = torch.tensor([float(not torch.isfinite(merged).all() or (
+                new_bias is not None and not torch.isfinite(new_bias).all()))], device=weight.device)
+            if self._oslo_kind != "replicated":
+                torch.distributed.all_reduce(broken, op=torch.distributed.ReduceOp.MAX,
+                                             group=self.get_base_layer().group)
+            if broken.item():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+        weight.copy_(merged)
+        if new_bias is not None:
+            bias.copy_(new_bias)
+
+    @property
+    def _oslo_kind(self) -> str:
+        """``"column"``, ``"row"``, or ``"replicated"`` (an ``nn.Linear`` of a model of several processes)."""
+        base = self.get_base_layer()
+        return COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
+            else "replicated"
+
+    def _oslo_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight in the layer's stored layout as ``(out, in)`` (this rank's rows and columns)."""
+        return weight.t() if getattr(self.get_base_layer(), "transposed", False) else weight
+
+    @property
+    def _oslo_read_in_part(self) -> bool:
+        """A replicated layer of which each rank reads part of the output (the Llama family's key/value
+        projections when the tensor-parallel size does not divide their heads): the gradients of what
+        computes it come from this rank's part only, and are summed over the tensor-parallel group."""
+        return self._oslo_kind == "replicated" and getattr(self.get_base_layer(), "output_read_in_part", False)
+
+    def _oslo_whole(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` (a replicated parameter's) as computed on: its gradient summed over the group when each
+        rank reads part of the output."""
+        if tensor is None or not self._oslo_read_in_part:
+            return tensor
+        return copy_to_tensor_parallel(tensor, self._oslo_context.tensor_parallel_group)
+
+    def _oslo_base(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not self._oslo_read_in_part:
+            return self.base_layer(x, *args, **kwargs)
+        base = self.get_base_layer()
+        specs = getattr(base, "parallel_specs", {})
+        weight = self._oslo_whole(local(base.weight, specs.get("weight")))
+        bias = None if base.bias is None else self._oslo_whole(local(base.bias, specs.get("bias")))
+        return torch.nn.functional.linear(x, weight, bias)
+
+
 def _make_class():
     from peft.tuners.lora.layer import Linear
     from peft.tuners.lora.variants import DoraLinearVariant
     from peft.tuners.tuners_utils import check_adapters_to_merge
 
-    class ParallelLoraLinear(Linear):
+    class ParallelLoraLinear(_OnOsloLayer, Linear):
         """PEFT's ``lora.Linear`` around an oslo :class:`~oslo.parallel.ColumnParallelLinear` or
         :class:`~oslo.parallel.RowParallelLinear`. In one process it is PEFT's class as it is (the layer holds the
         whole weight). With several processes its LoRA matrices are :class:`_Shard` DTensors, split like the
@@ -165,15 +248,8 @@ def _make_class():
 
         def __init__(self, base_layer, adapter_name: str, config, **kwargs) -> None:
             # LoraLayer reads the features of nn.Linear and Conv1D only; oslo's layers state them themselves.
-            base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
+            base = self._oslo_adopt(base_layer, config)
             self._oslo_features = (base.in_features, base.out_features)
-            context = _context_of(base)
-            self._oslo_context = context if context is not None and context.world_size > 1 else None
-            if getattr(base, "transposed", False) and not config.fan_in_fan_out:  # as PEFT does for Conv1D
-                warnings.warn(f"fan_in_fan_out is set to False but the target module {type(base).__name__} stores its "
-                              "weight as (in_features, out_features), as transformers' Conv1D. Setting "
-                              "fan_in_fan_out to True.", stacklevel=3)
-                config.fan_in_fan_out = True
             if self._oslo_context is not None and config.use_dora and getattr(base, "weight_spec", None) is not None \
                     and base.weight_spec.kind == VOCAB:
                 raise NotImplementedError(
@@ -189,13 +265,6 @@ def _make_class():
 
         def _get_in_out_features(self, module):
             return self._oslo_features
-
-        @property
-        def _oslo_kind(self) -> str:
-            """``"column"``, ``"row"``, or ``"replicated"`` (an ``nn.Linear`` of a model of several processes)."""
-            base = self.get_base_layer()
-            return COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
-                else "replicated"
 
         def resolve_lora_variant(self, *, config, **kwargs):
             variant = super().resolve_lora_variant(config=config, **kwargs)
@@ -241,10 +310,6 @@ def _make_class():
                 self.lora_magnitude_vector[adapter_name] = _Shard({"weight": (norm, (self.out_features,), spec_b)},
                                                                   context)
                 self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
-
-        def _oslo_rows(self, weight: torch.Tensor) -> torch.Tensor:
-            """A weight in the layer's stored layout as ``(out, in)`` (this rank's rows and columns)."""
-            return weight.t() if getattr(self.get_base_layer(), "transposed", False) else weight
 
         def _oslo_weight_norm(self, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
             """DoRA's ``||W + delta||`` of each output row (this rank's rows), both ``(out, in)`` and ``delta``
@@ -352,29 +417,6 @@ def _make_class():
                 base_result = result if base.bias is None else result - added_bias(base)
             return (scale - 1) * base_result + scale * lora * self.scaling[name]
 
-        @property
-        def _oslo_read_in_part(self) -> bool:
-            """A replicated layer of which each rank reads part of the output (the Llama family's key/value
-            projections when the tensor-parallel size does not divide their heads): the gradients of what
-            computes it come from this rank's part only, and are summed over the tensor-parallel group."""
-            return self._oslo_kind == "replicated" and getattr(self.get_base_layer(), "output_read_in_part", False)
-
-        def _oslo_whole(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-            """``tensor`` (a replicated parameter's) as computed on: its gradient summed over the group when each
-            rank reads part of the output."""
-            if tensor is None or not self._oslo_read_in_part:
-                return tensor
-            return copy_to_tensor_parallel(tensor, self._oslo_context.tensor_parallel_group)
-
-        def _oslo_base(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if not self._oslo_read_in_part:
-                return self.base_layer(x, *args, **kwargs)
-            base = self.get_base_layer()
-            specs = getattr(base, "parallel_specs", {})
-            weight = self._oslo_whole(local(base.weight, specs.get("weight")))
-            bias = None if base.bias is None else self._oslo_whole(local(base.bias, specs.get("bias")))
-            return torch.nn.functional.linear(x, weight, bias)
-
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             base = self.get_base_layer()
             if kwargs.get("skip_bias_add", False) and base.bias is not None:
@@ -451,17 +493,7 @@ def _make_class():
                             raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base "
                                                "layer has no bias.")
                         new_bias = bias + self.lora_B[name].stored("bias").to(bias.dtype) * self.scaling[name]
-                    if safe_merge:  # every rank of the group learns of a broken slice anywhere
-                        broken = torch.tensor([float(not torch.isfinite(merged).all() or (
-                            new_bias is not None and not torch.isfinite(new_bias).all()))], device=weight.device)
-                        if self._oslo_kind != "replicated":
-                            torch.distributed.all_reduce(broken, op=torch.distributed.ReduceOp.MAX, group=base.group)
-                        if broken.item():
-                            raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be "
-                                             "broken")
-                    weight.copy_(merged)
-                    if new_bias is not None:
-                        bias.copy_(new_bias)
+                    self._oslo_write_merged(name, safe_merge, weight, merged, bias, new_bias)
                 if norm is not None:
                     self._cache_store(f"{name}-weight_norm", norm)
                 self.merged_adapters.append(name)
@@ -486,6 +518,176 @@ def _make_class():
 
     ParallelLoraLinear.__module__, ParallelLoraLinear.__qualname__ = __name__, "ParallelLoraLinear"
     return ParallelLoraLinear
+
+
+class _Vectors(_KeepsDTensors, torch.nn.ParameterDict):
+    """(IA)^3's ``ia3_l`` of a model of several processes: each adapter's vector a DTensor on the tensor-parallel
+    mesh (``parallel_specs``: how it is split; no entry: whole on every rank), under PEFT's names. Its state dict
+    holds whole tensors, as PEFT saves adapters (writing it gathers the slices over the group); a whole tensor
+    loaded is cut to this rank's slice (:func:`~oslo.parallel.dtensor.distribute_parameters`' load hook)."""
+
+    def __init__(self, context) -> None:
+        super().__init__()
+        self.parallel_specs: dict[str, ShardSpec] = {}
+        self._oslo_context = context
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        for name, value in self._parameters.items():
+            if isinstance(value, DTensor):
+                value = unblock(value.full_tensor(), self.parallel_specs.get(name))
+            destination[prefix + name] = value if keep_vars else value.detach()
+
+
+def _make_ia3_class():
+    from peft.tuners.ia3.layer import Linear
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+
+    class ParallelIA3Linear(_OnOsloLayer, Linear):
+        """PEFT's (IA)^3 ``Linear`` around an oslo :class:`~oslo.parallel.ColumnParallelLinear` or
+        :class:`~oslo.parallel.RowParallelLinear`: a learned vector scaling the layer's output features (its input
+        features for the ``feedforward_modules``). In one process it is PEFT's class as it is. With several
+        processes each vector is a DTensor split like the features it scales: a column-parallel layer's output
+        scaling like its output (GPT2's fused ``c_attn`` block by block), a row-parallel layer's input scaling like
+        its input; the others (the input of a column-parallel layer, the output of a row-parallel one) are whole on
+        every rank, their gradients summed over the group where each rank sees part of them (a shared or sequence-
+        sharded input, a sequence-sharded output). No collective is added otherwise."""
+
+        def __init__(self, base_layer, adapter_name: str, config, is_feedforward: bool = False, **kwargs) -> None:
+            base = self._oslo_adopt(base_layer, config)
+            if self._oslo_context is not None and (getattr(base, "gather_output", False)
+                                                   or getattr(base, "input_is_parallel", True) is False):
+                raise NotImplementedError(
+                    f"(IA)^3 on a {type(base).__name__} that gathers its output or splits its input itself of an oslo "
+                    "model of several processes is not implemented yet: target the attention and MLP layers.")
+            torch.nn.Module.__init__(self)
+            # IA3Layer's constructor, for a layer that states its (whole) features itself
+            self.base_layer = base_layer
+            self.ia3_l = torch.nn.ParameterDict({}) if self._oslo_context is None else _Vectors(self._oslo_context)
+            self._disable_adapters = False
+            self.merged_adapters = []
+            self.is_feedforward = is_feedforward
+            self.in_features, self.out_features = base.in_features, base.out_features
+            # Linear's
+            self.fan_in_fan_out = config.fan_in_fan_out
+            self.is_target_conv_1d_layer = False
+            self._active_adapter = adapter_name
+            self.update_layer(adapter_name, config=config)
+
+        def _oslo_spec(self) -> ShardSpec | None:
+            """How this layer's vectors are split: like the features they scale when those are split."""
+            kind = self._oslo_kind
+            if kind == "replicated":
+                return None
+            base_spec = self.get_base_layer().parallel_specs["weight"]
+            if kind == COLUMN and not self.is_feedforward:
+                if base_spec.kind == VOCAB:  # padding rows included (they scale the padding logits)
+                    return ShardSpec(VOCAB, 0, self.out_features, base_spec.world_size, base_spec.rank)
+                return ShardSpec(COLUMN, 0, self.out_features, base_spec.world_size, base_spec.rank, base_spec.chunks)
+            if kind == ROW and self.is_feedforward:
+                return ShardSpec(ROW, 1, self.in_features, base_spec.world_size, base_spec.rank)
+            return None
+
+        def update_layer(self, adapter_name, config, **kwargs):
+            context = self._oslo_context
+            if context is None:
+                return super().update_layer(adapter_name, config=config, **kwargs)
+            with context.rng.replicated():  # a random init (init_ia3_weights=False) is the same on every rank
+                super().update_layer(adapter_name, config=config, **kwargs)
+            spec = self._oslo_spec()
+            if spec is not None:
+                self.ia3_l.parallel_specs[adapter_name] = spec
+                vector = self.ia3_l[adapter_name]
+                self.ia3_l[adapter_name] = torch.nn.Parameter(spec.slice_of(vector.detach()),
+                                                              requires_grad=vector.requires_grad)
+            distribute_parameters(self.ia3_l, context)
+
+        def _oslo_vector(self, name: str, summed: bool) -> torch.Tensor:
+            """Adapter ``name``'s vector as computed on (this rank's features, flat); ``summed``: its gradient is
+            summed over the tensor-parallel group (each rank computed it from part of the positions)."""
+            vector = self._oslo_whole(local(self.ia3_l[name], self.ia3_l.parallel_specs.get(name))).flatten()
+            if summed and not self._oslo_read_in_part:
+                vector = copy_to_tensor_parallel(vector, self.get_base_layer().group)
+            return vector
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            base = self.get_base_layer()
+            if kwargs.get("skip_bias_add", False) and base.bias is not None and not self.is_feedforward:
+                # A fused caller adds the layer's bias itself; (IA)^3 scales the biased output, so the result is
+                # computed whole and the bias taken off after (the tensor the layer added: its gradient cancels).
+                kwargs["skip_bias_add"] = False
+                return self.forward(x, *args, **kwargs) - added_bias(base)
+            if self._oslo_context is None:
+                return super().forward(x, *args, **kwargs)
+            if self.disable_adapters:
+                if self.merged:
+                    self.unmerge()
+                return self._oslo_base(x, *args, **kwargs)
+            names = [name for name in self.active_adapters if name in self.ia3_l]
+            if self.merged or not names:
+                return self._oslo_base(x, *args, **kwargs)
+            kind = self._oslo_kind
+            sequence = getattr(base, "sequence", None)
+            on_shards = sequence is not None and sequence.active
+            if self.is_feedforward:
+                # A column-parallel layer's whole input is read by every rank: its scaling's gradient is this rank's
+                # share where x was copied before (a shared input) or is this rank's sequence shard.
+                summed = kind == COLUMN and (kwargs.get("input_is_copied", False) or on_shards)
+            else:
+                summed = kind == ROW and on_shards  # the output is this rank's sequence shard
+            scaling = 1
+            for name in names:
+                scaling = scaling * self._oslo_vector(name, summed)
+            dtype = x.dtype
+            if self.is_feedforward:
+                return self._oslo_base((x.to(scaling.dtype) * scaling).to(dtype), *args, **kwargs)
+            result = self._oslo_base(x, *args, **kwargs)
+            return (result * scaling).to(result.dtype)
+
+        def _oslo_factor(self, name: str, like: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+            """Adapter ``name``'s stored vector (this rank's slice), shaped to scale ``like`` (the layer's stored
+            weight) along the features it scales."""
+            vector = _stored(self.ia3_l[name]).flatten() + offset
+            transposed = getattr(self.get_base_layer(), "transposed", False)
+            along_rows = self.is_feedforward == transposed  # (out, in) scales its rows' outputs, (in, out) inputs
+            return (vector.view(-1, 1) if along_rows else vector.view(1, -1)).to(like.dtype)
+
+        def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+            if self._oslo_context is None:
+                return super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+            adapter_names = check_adapters_to_merge(self, adapter_names)
+            base = self.get_base_layer()
+            weight = _stored(base.weight)
+            bias = None if base.bias is None or self.is_feedforward else _stored(base.bias)
+            for name in adapter_names:
+                if name not in self.ia3_l:
+                    continue
+                with torch.no_grad():
+                    merged = weight * self._oslo_factor(name, weight)
+                    new_bias = None if bias is None else bias * _stored(self.ia3_l[name]).flatten().to(bias.dtype)
+                    self._oslo_write_merged(name, safe_merge, weight, merged, bias, new_bias)
+                self.merged_adapters.append(name)
+
+        def unmerge(self) -> None:
+            if self._oslo_context is None:
+                return super().unmerge()
+            if not self.merged:
+                warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+                return
+            warnings.warn("Unmerge result can be inaccurate for (IA)^3.", stacklevel=2)
+            base = self.get_base_layer()
+            weight = _stored(base.weight)
+            bias = None if base.bias is None or self.is_feedforward else _stored(base.bias)
+            while self.merged_adapters:
+                name = self.merged_adapters.pop()
+                if name not in self.ia3_l:
+                    continue
+                with torch.no_grad():  # PEFT's tolerance against a division by zero
+                    weight.div_(self._oslo_factor(name, weight, offset=1e-8))
+                    if bias is not None:
+                        bias.div_((_stored(self.ia3_l[name]).flatten() + 1e-8).to(bias.dtype))
+
+    ParallelIA3Linear.__module__, ParallelIA3Linear.__qualname__ = __name__, "ParallelIA3Linear"
+    return ParallelIA3Linear
 
 
 def _check_layout(model) -> None:
@@ -528,51 +730,72 @@ def _whole_adapter(state: dict, model) -> dict:
     return whole
 
 
-def _dispatch(target, adapter_name, config, **kwargs):
-    """PEFT's dispatcher signature: a LoRA module for an oslo linear layer, or ``None`` for anything else."""
+def _adapts(target) -> bool:
+    """Whether oslo's adapted layer wraps ``target`` (an oslo linear layer, or the ``nn.Linear`` of a model of several
+    processes, whose weight is a DTensor); PEFT's own layers wrap the rest."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-    if isinstance(base, torch.nn.Linear):  # replicated: oslo's LoRA once its weight is a DTensor, else PEFT's
+    if isinstance(base, torch.nn.Linear):
         context = _context_of(base)
-        if context is None or context.world_size == 1:
-            return None
-    elif not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        return context is not None and context.world_size > 1
+    return isinstance(base, (ColumnParallelLinear, RowParallelLinear))
+
+
+def _lora_module(target, adapter_name, config, **kwargs):
+    """PEFT's dispatcher signature: a LoRA module for an oslo linear layer, or ``None`` for anything else."""
+    return ParallelLoraLinear(target, adapter_name, config=config, **kwargs) if _adapts(target) else None
+
+
+def _ia3_module(target, adapter_name, config, is_feedforward: bool = False, **kwargs):
+    """The same for (IA)^3 (``kwargs``: PEFT's quantization flags)."""
+    if not _adapts(target):
         return None
-    return ParallelLoraLinear(target, adapter_name, config=config, **kwargs)
+    if kwargs.get("loaded_in_8bit") or kwargs.get("loaded_in_4bit"):
+        raise NotImplementedError("(IA)^3 on a quantized oslo model is not implemented")
+    return ParallelIA3Linear(target, adapter_name, config=config, is_feedforward=is_feedforward)
 
 
-_installed: bool | None = None  # whether install() taught PEFT (None: not tried yet)
-
-
-def install() -> bool:
-    """Make PEFT's ``LoraModel`` wrap oslo's linear layers (once per process); ``False`` without PEFT. Every oslo
-    model calls it when it is built: after the first, it only returns what the first found."""
-    global ParallelLoraLinear, _installed
-    if _installed is not None:
-        return _installed
-    _installed = False
-    if importlib.util.find_spec("peft") is None:
-        return False
-    from peft.tuners.lora.model import LoraModel
-
-    create = LoraModel._create_new_module
-    ParallelLoraLinear = _make_class()
+def _teach(tuner, module_for) -> None:
+    """Make PEFT's ``tuner`` (``LoraModel``, ``IA3Model``) wrap oslo's layers with ``module_for``'s modules (PEFT's
+    own for the others) and tell the layers their model's parallel context before it injects an adapter."""
+    create = tuner._create_new_module
 
     @functools.wraps(create)
-    def create_new_module(lora_config, adapter_name, target, **kwargs):
-        module = _dispatch(target, adapter_name, lora_config, **kwargs)
-        return module if module is not None else create(lora_config, adapter_name, target, **kwargs)
+    def create_new_module(config, adapter_name, target, **kwargs):
+        module = module_for(target, adapter_name, config, **kwargs)
+        return module if module is not None else create(config, adapter_name, target, **kwargs)
 
-    inject = LoraModel.inject_adapter
+    inject = tuner.inject_adapter
 
     @functools.wraps(inject)
     def inject_adapter(self, model, *args, **kwargs):
         _check_layout(model)
         return inject(self, model, *args, **kwargs)
 
-    LoraModel._create_new_module = staticmethod(create_new_module)
-    LoraModel.inject_adapter = inject_adapter
+    tuner._create_new_module = staticmethod(create_new_module)
+    tuner.inject_adapter = inject_adapter
+
+
+_installed: bool | None = None  # whether install() taught PEFT (None: not tried yet)
+
+
+def install() -> bool:
+    """Make PEFT's ``LoraModel`` and ``IA3Model`` wrap oslo's linear layers (once per process); ``False`` without
+    PEFT. Every oslo model calls it when it is built: after the first, it only returns what the first found."""
+    global ParallelLoraLinear, ParallelIA3Linear, _installed
+    if _installed is not None:
+        return _installed
+    _installed = False
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft.tuners.ia3.model import IA3Model
+    from peft.tuners.lora.model import LoraModel
+
+    ParallelLoraLinear = _make_class()
+    ParallelIA3Linear = _make_ia3_class()
+    _teach(LoraModel, _lora_module)
+    _teach(IA3Model, _ia3_module)
     _install_copies_and_saves()
     _installed = True
     return True
@@ -638,27 +861,30 @@ def _install_copies_and_saves() -> None:
 
     # Merging into a layer tied across pipeline stages would change one stage's copy only (transformers' tie is one
     # tensor: PEFT's merge changes the input embeddings too). PEFT asks every rank before any merge.
+    from peft.tuners.ia3.model import IA3Model
     from peft.tuners.lora.model import LoraModel
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    check_merge = LoraModel._check_merge_allowed
+    def refusing_tied_merges(check_merge):
+        @functools.wraps(check_merge)
+        def merge_allowed(self):
+            check_merge(self)
+            model = getattr(self, "model", None)
+            if getattr(model, "parallel_context", None) is None or model.parallel_context.pipeline_parallel_size == 1:
+                return
+            tied = {name.rsplit(".", 1)[0] for source, members in tie_families(model).items()
+                    for name in (source, *members)}
+            for config in self.peft_config.values():
+                targeted = sorted(module for module in tied if check_target_module_exists(config, module))
+                if targeted:
+                    raise NotImplementedError(
+                        f"merging an adapter of {', '.join(targeted)} (tied across pipeline stages: each stage holds "
+                        f"a copy) at pipeline_parallel_size={model.parallel_context.pipeline_parallel_size} is not "
+                        "implemented yet: merge it in a model of one stage (load the saved adapter there), or keep "
+                        "it unmerged.")
 
-    @functools.wraps(check_merge)
-    def merge_allowed(self):
-        check_merge(self)
-        model = getattr(self, "model", None)
-        if getattr(model, "parallel_context", None) is None or model.parallel_context.pipeline_parallel_size == 1:
-            return
-        tied = {name.rsplit(".", 1)[0] for source, members in tie_families(model).items()
-                for name in (source, *members)}
-        for config in self.peft_config.values():
-            targeted = sorted(module for module in tied if check_target_module_exists(config, module))
-            if targeted:
-                raise NotImplementedError(
-                    f"merging an adapter of {', '.join(targeted)} (tied across pipeline stages: each stage holds a "
-                    f"copy) at pipeline_parallel_size={model.parallel_context.pipeline_parallel_size} is not "
-                    "implemented yet: merge it in a model of one stage (load the saved adapter there), or keep it "
-                    "unmerged.")
+        return merge_allowed
 
-    LoraModel._check_merge_allowed = merge_allowed
+    for tuner in (LoraModel, IA3Model):
+        tuner._check_merge_allowed = refusing_tied_merges(tuner._check_merge_allowed)
 

@@ -1,8 +1,8 @@
-"""Stock PEFT (LoRA) on oslo models built in one process, against PEFT on transformers' model of the same
-weights: an adapter written by PEFT for the transformers class loads onto the oslo class
-(``PeftModel.from_pretrained``), gives the same outputs, loss and adapter gradients, trains the same, saves an
-adapter that PEFT loads back onto the transformers class, merges, unmerges and switches adapters as PEFT does. A
-model of several processes refuses with a clear error on every rank (not implemented yet)."""
+"""Stock PEFT on oslo models, against PEFT on transformers' model of the same weights, at every layout: an adapter
+written by PEFT for the transformers class loads onto the oslo class (``PeftModel.from_pretrained``), gives the same
+outputs, loss and adapter gradients, trains the same, saves an adapter that PEFT loads back onto the transformers
+class, merges, unmerges and switches adapters as PEFT does. LoRA (its variants), (IA)^3, prompt and prefix tuning;
+what is not implemented with several processes refuses with a clear error on every rank."""
 
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
 def test_an_adapted_layer_leaves_the_bias_to_a_fused_caller(tmp_path):
     """``fuse()``'s bias+dropout+add asks the projection for its output without the bias (``skip_bias_add``): with
-    DoRA, which scales the unbiased output, that is the adapted output minus the bias, as for plain LoRA."""
+    DoRA, which scales the unbiased output, that is the adapted output minus the bias, as for plain LoRA; and for
+    (IA)^3, which scales the biased output (or the input)."""
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
     for options in (dict(use_dora=True), dict(lora_bias=True), {}):
         model = peft.get_peft_model(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
@@ -158,6 +159,19 @@ def test_an_adapted_layer_leaves_the_bias_to_a_fused_caller(tmp_path):
         x = torch.randn(2, 3, layer.in_features)
         torch.testing.assert_close(layer(x, skip_bias_add=True), layer(x) - layer.get_base_layer().bias,
                                    msg=lambda m, o=options: f"{o}: {m}")
+    # (IA)^3 scales the biased output of attn.c_proj, the input of mlp.c_proj
+    model = peft.get_peft_model(oslo.GPT2LMHeadModel.from_config_with_parallel(case.config(), seed=0),
+                                peft.IA3Config(**IA3_TARGETS[case.name])).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ia3_l" in name:
+                p.normal_()
+    for layer in (model.base_model.model.transformer.h[0].attn.c_proj,
+                  model.base_model.model.transformer.h[0].mlp.c_proj):
+        with torch.no_grad():
+            layer.get_base_layer().bias.normal_()
+        x = torch.randn(2, 3, layer.in_features)
+        torch.testing.assert_close(layer(x, skip_bias_add=True), layer(x) - layer.get_base_layer().bias)
 
 
 def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, lr=0.5,
@@ -206,7 +220,8 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
         adapted = ours(**batch)
         compare_outputs(adapted, theirs(**batch), f"{name} after a step")
         ours.save_pretrained(f"{tmp}/ours", is_main_process=rank == 0)
-        dist.barrier()
+        if dist.is_initialized():  # (a model of one process has no group)
+            dist.barrier()
         assert sorted(os.listdir(f"{tmp}/ours")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
         reloaded = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
                                                   f"{tmp}/ours")
@@ -292,6 +307,60 @@ def test_dora_with_sequence_parallelism_equals_peft_on_transformers(name, varian
     _reference_adapter(case, tmp_path, **VARIANTS[variant])
     assert run_distributed(_split_equals_peft, 2, name, str(tmp_path), 2, 1, timeout=300,
                            sequence_parallel=True) == [True, True]
+
+
+# The IA3Config a PEFT user writes for the transformers class: the vectors scale the output of the attention
+# projections and the input of the feed-forward ones. GPT2's cover the four kinds at tp=2: c_attn (column, block by
+# block) and attn.c_proj (row) scale their output, c_fc (column) and mlp.c_proj (row) their input.
+IA3_TARGETS = {
+    "GPT2LMHeadModel": dict(target_modules=["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"],
+                            feedforward_modules=["c_fc", "mlp.c_proj"]),
+    "GPTNeoForCausalLM": dict(target_modules=["k_proj", "v_proj", "c_fc", "c_proj"],
+                              feedforward_modules=["c_fc", "c_proj"]),
+    "BertForSequenceClassification": dict(target_modules=["key", "value", "intermediate.dense", "output.dense",
+                                                          "pooler.dense"],
+                                          feedforward_modules=["intermediate.dense", "output.dense"],
+                                          modules_to_save=["classifier"]),
+    "T5ForConditionalGeneration": dict(target_modules=["k", "v", "wi", "wo"], feedforward_modules=["wi", "wo"]),
+    "LlamaForCausalLM": dict(target_modules=["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                             feedforward_modules=["up_proj", "down_proj"]),
+}
+
+
+def _reference_ia3(case, directory):
+    """As :func:`_reference_adapter`, for PEFT's (IA)^3: its vectors (ones at init) moved off one, each entry by a
+    different factor, so that every entry shows in the outputs."""
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(directory / "base")
+    theirs = peft.get_peft_model(reference, peft.IA3Config(**IA3_TARGETS[case.name]))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "ia3_l" in name:
+                p.mul_(torch.linspace(0.5, 1.5, p.numel()).view(p.shape))
+    theirs.save_pretrained(directory / "theirs")
+
+
+IA3_LAYOUTS = {"GPT2LMHeadModel": ["one-process", "tp2", "pp2", "tp2-pp2", "tp2-sequence-parallel", "tp1-dp2"],
+               "BertForSequenceClassification": ["one-process", "tp2", "tp2-sequence-parallel"],
+               "LlamaForCausalLM": ["one-process", "tp2", "tp4-replicated-key-value-heads"],
+               "GPTNeoForCausalLM": ["tp2"], "T5ForConditionalGeneration": ["tp2"]}
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning", "ignore:Unmerge result can be inaccurate")
+@pytest.mark.parametrize("name, layout", [(name, layout) for name, layouts in IA3_LAYOUTS.items()
+                                          for layout in layouts])
+def test_ia3_equals_peft_on_transformers(name, layout, tmp_path):
+    """PEFT's (IA)^3 on oslo's layers, PEFT's own class in one process: outputs, every vector's gradient, a step,
+    the saved adapter on transformers, merge, unmerge and merge_and_unload, as PEFT on transformers. At tp=2 a
+    vector is split like the features it scales or whole on every rank (its gradient summed over the group where the
+    ranks see part of it: a shared input, sequence shards, Llama's key/value heads replicated at tp=4)."""
+    case = next(c for c in CASES if c.name == name)
+    _reference_ia3(case, tmp_path)
+    tp, pp, processes, *options = {"one-process": (1, 1, 1), "tp4-replicated-key-value-heads": (4, 1, 4),
+                                   **LAYOUTS}[layout]
+    assert run_distributed(_split_equals_peft, processes, name, str(tmp_path), tp, pp, timeout=300,
+                           **(options[0] if options else {})) == [True] * processes
 
 
 def _prompt_learned(rank, world_size, path, tensor_parallel_size, pipeline_parallel_size, method):
@@ -430,13 +499,15 @@ def test_two_dora_adapters_merge_at_tp2_as_peft(tmp_path):
     assert run_distributed(_dora_pair_merged, 2, str(tmp_path)) == [True, True]
 
 
-def _new_adapter_at_tp2(rank, world_size, tmp):
+def _new_adapter_at_tp2(rank, world_size, tmp, method):
     import torch.distributed as dist
 
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
     base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
     torch.manual_seed(rank)  # the ranks' own generators differ, as under a launcher: the adapter must not
-    ours = peft.get_peft_model(base, _lora_config(case))
+    config = _lora_config(case) if method == "lora" else peft.IA3Config(init_ia3_weights=False,  # random vectors
+                                                                          **IA3_TARGETS[case.name])
+    ours = peft.get_peft_model(base, config)
     with torch.no_grad():
         adapted = ours(**case.batch())
         ours.save_pretrained(f"{tmp}/new", is_main_process=rank == 0)
@@ -448,12 +519,13 @@ def _new_adapter_at_tp2(rank, world_size, tmp):
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-def test_new_adapter_at_tp2_is_one_adapter(tmp_path):
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+def test_new_adapter_at_tp2_is_one_adapter(tmp_path, method):
     """``get_peft_model`` at tp=2 draws the adapter from the model's replicated stream: the ranks' slices are one
     adapter (what the split forward computes is what transformers computes with the saved file)."""
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
-    assert run_distributed(_new_adapter_at_tp2, 2, str(tmp_path)) == [True, True]
+    assert run_distributed(_new_adapter_at_tp2, 2, str(tmp_path), method) == [True, True]
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
