@@ -885,6 +885,26 @@ def _install_copies_and_saves() -> None:
 
         return merge_allowed
 
+    # PEFT's prompt learning embeds the virtual tokens itself, on every rank: a later pipeline stage has no input
+    # embeddings (PEFT would fail there with "'NoneType' object is not callable", mid-step). Refused on every rank.
+    setup = peft.peft_model.PeftModel._setup_prompt_encoder
+
+    @functools.wraps(setup)
+    def setup_prompt_encoder(self, adapter_name, *args, **kwargs):
+        model = _oslo_model(self)
+        context = None if model is None else model.parallel_context
+        if context is not None and context.pipeline_parallel_size > 1:
+            method = self.peft_config[adapter_name].peft_type
+            raise NotImplementedError(
+                f"PEFT's {getattr(method, 'value', method)} (prompt learning) on an oslo model at "
+                f"pipeline_parallel_size={context.pipeline_parallel_size} is not implemented yet: PEFT embeds the "
+                "virtual tokens on every rank, and a later pipeline stage holds no input embeddings. Use it at "
+                "pipeline_parallel_size=1 (prompt tuning works with tensor parallelism), or LoRA or (IA)^3, which "
+                "work with pipelines.")
+        return setup(self, adapter_name, *args, **kwargs)
+
+    peft.peft_model.PeftModel._setup_prompt_encoder = setup_prompt_encoder
+
     for tuner in (LoraModel, IA3Model):
         tuner._check_merge_allowed = refusing_tied_merges(tuner._check_merge_allowed)
 

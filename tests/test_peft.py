@@ -369,9 +369,12 @@ def _prompt_learned(rank, world_size, path, tensor_parallel_size, pipeline_paral
         path, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     config = getattr(peft, method)(task_type="CAUSAL_LM", num_virtual_tokens=4)
     adapted = []
-    for base in (reference, model):
-        torch.manual_seed(3)  # the same prompt parameters for both
-        adapted.append(peft.get_peft_model(base, copy.deepcopy(config)))
+    try:
+        for base in (reference, model):
+            torch.manual_seed(3)  # the same prompt parameters for both
+            adapted.append(peft.get_peft_model(base, copy.deepcopy(config)))
+    except NotImplementedError as exc:
+        return f"{type(exc).__name__}: {exc}"
     theirs, ours = adapted
     input_ids = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(0))
     try:
@@ -393,24 +396,31 @@ def _prompt_learned(rank, world_size, path, tensor_parallel_size, pipeline_paral
     return True
 
 
-@pytest.mark.parametrize("layout", [(1, 1), (2, 1)], ids=str)
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=str)
 def test_prompt_tuning_equals_peft_on_transformers(tmp_path, layout):
     """PEFT's prompt tuning (virtual tokens embedded in front of the input) with tensor parallelism: outputs, the
-    prompt's gradient and generate() as PEFT on transformers. (With pipelines PEFT itself fails: it embeds the
-    tokens on every rank, and a later stage holds no embeddings.)"""
+    prompt's gradient and generate() as PEFT on transformers. With pipelines PEFT embeds the tokens on every rank,
+    and a later stage holds no embeddings: ``get_peft_model`` refuses on every rank (PEFT alone would fail on the
+    later stages only, mid-step)."""
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
     tp, pp = layout
-    assert run_distributed(_prompt_learned, tp * pp, str(tmp_path / "base"), tp, pp, "PromptTuningConfig",
-                           timeout=120) == [True] * (tp * pp)
+    said = run_distributed(_prompt_learned, tp * pp, str(tmp_path / "base"), tp, pp, "PromptTuningConfig",
+                           timeout=120)
+    if pp == 1:
+        assert said == [True] * (tp * pp)
+        return
+    for message in said:
+        assert message.startswith("NotImplementedError: PEFT's PROMPT_TUNING (prompt learning) on an oslo model at "
+                                  "pipeline_parallel_size=2 is not implemented yet"), said
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=str)
 def test_prefix_tuning_works_in_one_process_and_refuses_a_split_model(tmp_path, layout):
     """PEFT's prefix tuning hands the model a KV cache of every head of every layer. In one process that is
     transformers' layout and the model equals PEFT on transformers; a split model caches its own heads of its own
-    stage's layers, so it refuses such a cache on every rank (a later stage, which would have read another layer's
-    entries, hears of it from the first)."""
+    stage's layers, so it refuses such a cache on every rank (with pipelines, ``get_peft_model`` refuses, as for
+    prompt tuning)."""
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
     tp, pp = layout
@@ -419,9 +429,10 @@ def test_prefix_tuning_works_in_one_process_and_refuses_a_split_model(tmp_path, 
     if tp * pp == 1:
         assert said == [True]
         return
-    assert said[0].startswith("NotImplementedError: past_key_values holds 4 positions this model did not cache"), said
-    for other in said[1:]:
-        assert "past_key_values holds 4 positions this model did not cache" in other, said
+    expected = ("PEFT's PREFIX_TUNING (prompt learning) on an oslo model at pipeline_parallel_size=2 is not "
+                "implemented yet" if pp > 1 else "past_key_values holds 4 positions this model did not cache")
+    for message in said:
+        assert message.startswith("NotImplementedError: ") and expected in message, said
 
 
 def _mixed_batch(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size):
