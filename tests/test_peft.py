@@ -327,13 +327,13 @@ IA3_TARGETS = {
 }
 
 
-def _reference_ia3(case, directory):
+def _reference_ia3(case, directory, **options):
     """As :func:`_reference_adapter`, for PEFT's (IA)^3: its vectors (ones at init) moved off one, each entry by a
     different factor, so that every entry shows in the outputs."""
     torch.manual_seed(0)
     reference = getattr(transformers, case.name)(case.config())
     reference.save_pretrained(directory / "base")
-    theirs = peft.get_peft_model(reference, peft.IA3Config(**IA3_TARGETS[case.name]))
+    theirs = peft.get_peft_model(reference, peft.IA3Config(**{**IA3_TARGETS[case.name], **options}))
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             if "ia3_l" in name:
@@ -599,17 +599,23 @@ def test_lora_dropout_keeps_the_ranks_in_step(tmp_path):
         torch.testing.assert_close(second[name], grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning", "ignore:Unmerge result can be inaccurate")
+@pytest.mark.parametrize("method", ["lora", "ia3"])
 @pytest.mark.parametrize("layout", ["tp2", "tp2-pp2"])
 @pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM"])
-def test_lora_on_the_vocabulary_split_head_equals_peft_on_transformers(name, layout, tmp_path):
+def test_lora_on_the_vocabulary_split_head_equals_peft_on_transformers(name, layout, method, tmp_path):
     """LoRA on the LM head at tp=2 (GPT2's tied to the input embeddings, Llama's not; odd vocabularies, so the last
     rank's slice is padded): B split like the vocabulary, padding rows zero; outputs, gradients, a step, the saved
     adapter on transformers, merging. (The step's learning rate is 0.05: the head's A gradient sums the vocabulary's
     columns, split over the ranks, in another order, and at 0.5 that rounding, within the gradients' default
-    tolerance, moves GPT2's logits after the step by 3e-5.)"""
+    tolerance, moves GPT2's logits after the step by 3e-5.) The same for (IA)^3's vector, split like the
+    vocabulary."""
     case = next(c for c in CASES if c.name == name)
-    _reference_adapter(case, tmp_path, target_modules=TARGETS[name]["target_modules"][:2] + ["lm_head"])
+    if method == "lora":
+        _reference_adapter(case, tmp_path, target_modules=TARGETS[name]["target_modules"][:2] + ["lm_head"])
+    else:
+        _reference_ia3(case, tmp_path, target_modules=["k_proj" if name == "LlamaForCausalLM" else "c_attn",
+                                                       "lm_head"], feedforward_modules=[])
     tp, pp, processes = LAYOUTS[layout]
     assert run_distributed(_split_equals_peft, processes, name, str(tmp_path), tp, pp, 0.05,
                            timeout=300) == [True] * processes
