@@ -1,4 +1,4 @@
-"""PEFT's LoRA and (IA)^3 on oslo's linear layers.
+"""PEFT's LoRA and (IA)^3 on oslo's linear layers (and AdaLoRA in one process).
 
 PEFT builds its LoRA wrappers for ``nn.Linear`` and transformers' ``Conv1D``; oslo's layers are
 :class:`~oslo.parallel.ColumnParallelLinear` and :class:`~oslo.parallel.RowParallelLinear` (GPT2's with
@@ -57,6 +57,7 @@ __all__ = ["ParallelIA3Linear", "ParallelLoraLinear", "install"]
 
 ParallelLoraLinear = None  # the class, once PEFT is imported (see install)
 ParallelIA3Linear = None  # the same for (IA)^3
+_AdaLoraOnOsloLinear = None  # and AdaLoRA's, in one process
 
 
 class _KeepsDTensors:
@@ -520,6 +521,32 @@ def _make_class():
     return ParallelLoraLinear
 
 
+def _make_adalora_class():
+    from peft.tuners.adalora.layer import SVDLinear
+
+    class AdaLoraOnOsloLinear(_OnOsloLayer, SVDLinear):
+        """PEFT's AdaLoRA ``SVDLinear`` around an oslo linear layer of a model built in one process (the layer holds
+        the whole weight; PEFT's class as it is). With several processes AdaLoRA refuses: its rank allocator ranks
+        the singular values of every adapted layer against one global budget, which would need every rank's and
+        every stage's scores."""
+
+        def __init__(self, base_layer, adapter_name: str, config, **kwargs) -> None:
+            base = self._oslo_adopt(base_layer, config)
+            if self._oslo_context is not None:
+                raise NotImplementedError(
+                    f"PEFT's AdaLoRA on an oslo model of several processes (world size "
+                    f"{self._oslo_context.world_size}) is not implemented yet: its rank allocator ranks every "
+                    "adapted layer's singular values against one budget. Use LoRA (DoRA, rsLoRA) or (IA)^3, which "
+                    "work at every layout, or AdaLoRA on a model built in one process.")
+            self._oslo_features = (base.in_features, base.out_features)
+            super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
+        def _get_in_out_features(self, module):
+            return self._oslo_features
+
+    AdaLoraOnOsloLinear.__module__, AdaLoraOnOsloLinear.__qualname__ = __name__, "AdaLoraOnOsloLinear"
+    return AdaLoraOnOsloLinear
+
 class _Vectors(_KeepsDTensors, torch.nn.ParameterDict):
     """(IA)^3's ``ia3_l`` of a model of several processes: each adapter's vector a DTensor on the tensor-parallel
     mesh (``parallel_specs``: how it is split; no entry: whole on every rank), under PEFT's names. Its state dict
@@ -756,6 +783,15 @@ def _ia3_module(target, adapter_name, config, is_feedforward: bool = False, **kw
     return ParallelIA3Linear(target, adapter_name, config=config, is_feedforward=is_feedforward)
 
 
+def _adalora_module(target, adapter_name, config, device_map=None, **kwargs):
+    """The same for AdaLoRA (``kwargs``: ``r``, ``lora_alpha`` and PEFT's quantization flags)."""
+    if not _adapts(target):
+        return None
+    if kwargs.get("loaded_in_8bit") or kwargs.get("loaded_in_4bit") or kwargs.get("gptq_quantization_config"):
+        raise NotImplementedError("AdaLoRA on a quantized oslo model is not implemented")
+    return _AdaLoraOnOsloLinear(target, adapter_name, config=config, r=kwargs["r"], lora_alpha=kwargs["lora_alpha"])
+
+
 def _teach(tuner, module_for) -> None:
     """Make PEFT's ``tuner`` (``LoraModel``, ``IA3Model``) wrap oslo's layers with ``module_for``'s modules (PEFT's
     own for the others) and tell the layers their model's parallel context before it injects an adapter."""
@@ -767,14 +803,19 @@ def _teach(tuner, module_for) -> None:
         return module if module is not None else create(config, adapter_name, target, **kwargs)
 
     inject = tuner.inject_adapter
+    if getattr(inject, "_oslo_layout", False):  # inherited from a tuner taught already (AdaLoRA's, LoRA's)
+        inject_adapter = None
+    else:
+        @functools.wraps(inject)
+        def inject_adapter(self, model, *args, **kwargs):
+            _check_layout(model)
+            return inject(self, model, *args, **kwargs)
 
-    @functools.wraps(inject)
-    def inject_adapter(self, model, *args, **kwargs):
-        _check_layout(model)
-        return inject(self, model, *args, **kwargs)
+        inject_adapter._oslo_layout = True
 
     tuner._create_new_module = staticmethod(create_new_module)
-    tuner.inject_adapter = inject_adapter
+    if inject_adapter is not None:
+        tuner.inject_adapter = inject_adapter
 
 
 _installed: bool | None = None  # whether install() taught PEFT (None: not tried yet)
@@ -783,19 +824,22 @@ _installed: bool | None = None  # whether install() taught PEFT (None: not tried
 def install() -> bool:
     """Make PEFT's ``LoraModel`` and ``IA3Model`` wrap oslo's linear layers (once per process); ``False`` without
     PEFT. Every oslo model calls it when it is built: after the first, it only returns what the first found."""
-    global ParallelLoraLinear, ParallelIA3Linear, _installed
+    global ParallelLoraLinear, ParallelIA3Linear, _AdaLoraOnOsloLinear, _installed
     if _installed is not None:
         return _installed
     _installed = False
     if importlib.util.find_spec("peft") is None:
         return False
+    from peft.tuners.adalora.model import AdaLoraModel
     from peft.tuners.ia3.model import IA3Model
     from peft.tuners.lora.model import LoraModel
 
     ParallelLoraLinear = _make_class()
     ParallelIA3Linear = _make_ia3_class()
+    _AdaLoraOnOsloLinear = _make_adalora_class()
     _teach(LoraModel, _lora_module)
     _teach(IA3Model, _ia3_module)
+    _teach(AdaLoraModel, _adalora_module)
     _install_copies_and_saves()
     _installed = True
     return True

@@ -363,6 +363,64 @@ def test_ia3_equals_peft_on_transformers(name, layout, tmp_path):
                            **(options[0] if options else {})) == [True] * processes
 
 
+def _adalora_trained(rank, world_size, name, tmp, tensor_parallel_size):
+    """Five steps of AdaLoRA's loop (its rank allocator pruning from the second step on) on the transformers model
+    and on the oslo one: the losses, the adapted outputs, the saved adapter on transformers."""
+    case = next(c for c in CASES if c.name == name)
+    batch = case.batch()
+    config = peft.AdaLoraConfig(target_modules=TARGETS[name]["target_modules"][:3], total_step=8, init_r=4,
+                                target_r=2, tinit=1, tfinal=2, deltaT=1, lora_alpha=8)
+    results = []
+    for model in (getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                  getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/base",
+                                                                     tensor_parallel_size=tensor_parallel_size)):
+        torch.manual_seed(1)  # the same adapter for both
+        try:
+            adapted = peft.get_peft_model(model, copy.deepcopy(config))
+        except NotImplementedError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        adapted.train()
+        optimizer = torch.optim.SGD([p for p in adapted.parameters() if p.requires_grad], lr=0.1)
+        losses = []
+        for step in range(5):
+            loss = case.loss(adapted(**batch))
+            loss.backward()
+            optimizer.step()
+            adapted.base_model.update_and_allocate(step)
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results.append((adapted.eval(), torch.stack(losses)))
+    (theirs, expected), (ours, actual) = results
+    torch.testing.assert_close(actual, expected)
+    with torch.no_grad():
+        adapted = ours(**batch)
+        compare_outputs(adapted, theirs(**batch), f"{name}: AdaLoRA after five steps")
+        ours.save_pretrained(f"{tmp}/ours")
+        reloaded = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                                                  f"{tmp}/ours")
+        compare_outputs(reloaded(**batch), adapted, f"{name}: AdaLoRA saved by oslo, loaded by transformers")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("name, tensor_parallel_size", [("GPT2LMHeadModel", 1), ("BertForSequenceClassification", 1),
+                                                        ("GPT2LMHeadModel", 2)])
+def test_adalora_in_one_process_equals_peft_on_transformers(name, tensor_parallel_size, tmp_path):
+    """PEFT's AdaLoRA works on a model built in one process, as on transformers (its rank allocator included). With
+    several processes it refuses on every rank: the allocator ranks every layer's singular values against one
+    budget."""
+    case = next(c for c in CASES if c.name == name)
+    torch.manual_seed(0)
+    getattr(transformers, name)(case.config()).save_pretrained(tmp_path / "base")
+    said = run_distributed(_adalora_trained, tensor_parallel_size, name, str(tmp_path), tensor_parallel_size,
+                           timeout=120)
+    if tensor_parallel_size == 1:
+        assert said == [True]
+        return
+    for message in said:
+        assert message.startswith("NotImplementedError: PEFT's AdaLoRA on an oslo model of several processes"), said
+
+
 def _prompt_learned(rank, world_size, path, tensor_parallel_size, pipeline_parallel_size, method):
     reference = transformers.GPT2LMHeadModel.from_pretrained(path)
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
