@@ -20,7 +20,7 @@ from transformers.generation import LogitsProcessorList
 from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
-from oslo import lora
+from oslo.integrations import peft as peft_integration
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models import build, runner, stages
 from oslo.models.body import StagedBody
@@ -79,12 +79,12 @@ def _accelerate_refuses_parallelism_config() -> str | None:
     return str(state.distributed_type)
 
 
-def _install_lora() -> None:
+def _install_peft() -> None:
     try:
-        lora.install()
+        peft_integration.install()
     except Exception as exc:  # noqa: BLE001 - an incompatible PEFT must not stop oslo models from being built
-        logger.warning("oslo: PEFT is installed but could not be taught oslo's layers (%s: %s); LoRA on oslo "
-                       "models will not work", type(exc).__name__, exc)
+        logger.warning("oslo: PEFT is installed but could not be taught oslo's layers (%s: %s); PEFT's adapters on "
+                       "oslo models will not work", type(exc).__name__, exc)
 
 
 def check_split_sizes(tensor_parallel_size: int, heads: tuple[str, int], mlp: tuple[str, int]) -> None:
@@ -160,7 +160,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         self.parallel_context = parallel_context if parallel_context is not None else ParallelContext()
         traced.register(self)  # compiled calls refer to the model by this key (see oslo.parallel.traced)
         install_torch_hooks()  # torch's clipping and state-dict functions, adjusted to oslo models
-        _install_lora()  # PEFT's LoRA wraps oslo's linear layers (when PEFT is installed)
+        _install_peft()  # PEFT's LoRA and (IA)^3 wrap oslo's linear layers (when PEFT is installed)
         self.micro_batch_size = 1
         # Set to a list to record this stage's forward and backward passes in pipeline training steps
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
