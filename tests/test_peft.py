@@ -568,15 +568,16 @@ def test_two_dora_adapters_merge_at_tp2_as_peft(tmp_path):
     assert run_distributed(_dora_pair_merged, 2, str(tmp_path)) == [True, True]
 
 
-def _new_adapter_at_tp2(rank, world_size, tmp, method):
+def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size):
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
-    torch.manual_seed(rank)  # the ranks' own generators differ, as under a launcher: the adapter must not
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size)
     config = _lora_config(case) if method == "lora" else peft.IA3Config(init_ia3_weights=False,  # random vectors
                                                                           **IA3_TARGETS[case.name])
-    ours = peft.get_peft_model(base, config)
+    torch.manual_seed(rank)  # the ranks' own generators differ: each takes rank 0's draw
+    ours = peft.get_peft_model(base, copy.deepcopy(config))
     with torch.no_grad():
         adapted = ours(**case.batch())
         ours.save_pretrained(f"{tmp}/new", is_main_process=rank == 0)
@@ -584,17 +585,29 @@ def _new_adapter_at_tp2(rank, world_size, tmp, method):
         theirs = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
                                                 f"{tmp}/new")
         compare_outputs(adapted, theirs(**case.batch()), "a new adapter at tp=2, saved, on transformers")
+    # the adapter one process draws after the same seed
+    reference = transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base")
+    torch.manual_seed(0)
+    expected = peft.get_peft_model_state_dict(peft.get_peft_model(reference, copy.deepcopy(config)))
+    saved = load_file(f"{tmp}/new/adapter_model.safetensors")
+    assert sorted(saved) == sorted(expected)
+    for key, value in saved.items():
+        torch.testing.assert_close(value, expected[key], msg=lambda m, k=key: f"{k}: {m}")
     return True
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2"])
 @pytest.mark.parametrize("method", ["lora", "ia3"])
-def test_new_adapter_at_tp2_is_one_adapter(tmp_path, method):
-    """``get_peft_model`` at tp=2 draws the adapter from the model's replicated stream: the ranks' slices are one
-    adapter (what the split forward computes is what transformers computes with the saved file)."""
+def test_new_adapter_is_the_one_process_draw(tmp_path, method, layout):
+    """``get_peft_model`` with several processes draws the whole matrices from torch's generator, as PEFT does in one
+    process, and every rank takes the first rank's (the ranks' generators differ here): the ranks' slices are one
+    adapter, the one a process draws after the same ``torch.manual_seed`` (so a layout does not change what a
+    seeded script trains), and what the split forward computes is what transformers computes with the saved file."""
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
-    assert run_distributed(_new_adapter_at_tp2, 2, str(tmp_path), method) == [True, True]
+    processes = 4 if layout == "tp2-dp2" else 2
+    assert run_distributed(_new_adapter, processes, str(tmp_path), method, 2) == [True] * processes
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")

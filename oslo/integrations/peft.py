@@ -198,6 +198,23 @@ class _OnOsloLayer:
         if new_bias is not None:
             bias.copy_(new_bias)
 
+    def _oslo_take_first_ranks(self, tensors: list[torch.Tensor]) -> None:
+        """Make the whole tensors PEFT just drew (from this rank's torch generator) those of this pipeline stage's
+        first rank, as ``distribute_tensor`` takes rank 0's: one broadcast over the tensor-parallel group, one over
+        the data-parallel group. A model of one stage so gets the adapter one process draws after the same
+        ``torch.manual_seed``, whatever the other ranks' generators hold."""
+        context = self._oslo_context
+        flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+        with naming_timeouts(context, "taking a new adapter's initial values from the first rank",
+                             "every rank adds the same adapters to the model (get_peft_model, add_adapter)"):
+            for group, size in ((context.tensor_parallel_group, context.tensor_parallel_size),
+                                (context.data_parallel_group, context.data_parallel_size)):
+                if size > 1:
+                    torch.distributed.broadcast(flat, group=group, group_src=0)
+        with torch.no_grad():
+            for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                tensor.copy_(value.view_as(tensor))
+
     @property
     def _oslo_kind(self) -> str:
         """``"column"``, ``"row"``, or ``"replicated"`` (an ``nn.Linear`` of a model of several processes)."""
@@ -281,9 +298,12 @@ def _make_class():
             context = self._oslo_context
             if context is None:
                 return super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
-            # PEFT draws the whole matrices; from the model's replicated stream, every rank draws the same ones.
-            with context.rng.replicated():
-                super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+            # PEFT draws the whole matrices from torch's generator, as in one process; every rank takes its stage's
+            # first rank's (the draw of one process, seeded alike, on the first stage).
+            super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+            b = self.lora_B[adapter_name]
+            self._oslo_take_first_ranks([self.lora_A[adapter_name].weight, b.weight]
+                                        + ([] if b.bias is None else [b.bias]))
             spec_a = spec_b = None
             kind = self._oslo_kind
             if kind != "replicated":
@@ -618,8 +638,8 @@ def _make_ia3_class():
             context = self._oslo_context
             if context is None:
                 return super().update_layer(adapter_name, config=config, **kwargs)
-            with context.rng.replicated():  # a random init (init_ia3_weights=False) is the same on every rank
-                super().update_layer(adapter_name, config=config, **kwargs)
+            super().update_layer(adapter_name, config=config, **kwargs)
+            self._oslo_take_first_ranks([self.ia3_l[adapter_name]])  # a random init (init_ia3_weights=False)
             spec = self._oslo_spec()
             if spec is not None:
                 self.ia3_l.parallel_specs[adapter_name] = spec
@@ -730,9 +750,12 @@ def _check_layout(model) -> None:
 
 def _oslo_model(peft_model):
     """The oslo model under a PeftModel (or a tuner), or ``None``."""
+    from peft.peft_model import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
     model = peft_model
-    for attribute in ("base_model", "model"):
-        model = getattr(model, attribute, model)
+    while isinstance(model, (PeftModel, BaseTuner)):
+        model = model.base_model if isinstance(model, PeftModel) else model.model
     return model if hasattr(model, "parallel_context") else None
 
 
@@ -888,6 +911,19 @@ def _install_copies_and_saves() -> None:
         save.publish()
 
     peft.peft_model.PeftModel.save_pretrained = save_staged
+
+    # The Trainer hands accelerate the PEFT model: the oslo model learns it is wrapped (whether accelerate prepared
+    # its wrapper decides who averages the gradients over the data-parallel replicas).
+    init = peft.peft_model.PeftModel.__init__
+
+    @functools.wraps(init)
+    def init_wrapping(self, model, *args, **kwargs):
+        init(self, model, *args, **kwargs)
+        wrapped = _oslo_model(self)
+        if wrapped is not None:
+            wrapped._oslo_wrapper = weakref.ref(self)
+
+    peft.peft_model.PeftModel.__init__ = init_wrapping
 
     # A pipeline stage without the input embedding (GPT2's last stage) has none to tie to.
     from peft.tuners.tuners_utils import BaseTuner

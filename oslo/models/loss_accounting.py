@@ -68,13 +68,23 @@ def overflow_callback(model, half: bool) -> Callable[[torch.Tensor], None]:
     return on_backward
 
 
+def _accelerate_prepared(model) -> bool:
+    """Whether accelerate prepared ``model``, or the module that wraps it (``_oslo_wrapper``: a PEFT model, which
+    the ``Trainer`` hands accelerate in its place)."""
+    if getattr(model, "_is_accelerate_prepared", False):
+        return True
+    wrapper = model.__dict__.get("_oslo_wrapper")
+    wrapper = None if wrapper is None else wrapper()
+    return wrapper is not None and getattr(wrapper, "_is_accelerate_prepared", False)
+
+
 def averages_replicas_itself(model, ddp, fsdp: bool) -> bool:
     """Whether this call's gradients are averaged over the data-parallel replicas by oslo at the end of the
     backward pass: at pipeline_parallel_size 1 only for a model that accelerate prepared as tensor parallel
     (transformers' ``Trainer``), which it leaves unwrapped and whose replicas nobody else averages."""
     context = model.parallel_context
     return (ddp is None and not fsdp and context.data_parallel_size > 1 and context.tensor_parallel_size > 1
-            and getattr(model, "_is_accelerate_prepared", False) and torch.is_grad_enabled())
+            and torch.is_grad_enabled() and _accelerate_prepared(model))
 
 
 def replica_averaging(model) -> Callable[[torch.Tensor], None]:

@@ -130,3 +130,54 @@ def _pipeline_trainer(rank, world_size, path, output_dir):
 def test_trainer_with_pipelines_is_refused(checkpoint, tmp_path):
     for message in run_distributed(_pipeline_trainer, 2, checkpoint, str(tmp_path), timeout=50):
         assert message is not None and "pipeline_parallel_size=2" in message and "micro_output" in message
+
+
+def _peft_config(method: str):
+    import peft
+
+    if method == "lora":  # B random too (PEFT's debugging init): the adapter changes the outputs from the start
+        return peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights=False)
+    return peft.IA3Config(task_type="CAUSAL_LM", init_ia3_weights=False)
+
+
+def _adapter_trained(model, method: str, output_dir: str, per_device_rows: int):
+    import peft
+
+    torch.manual_seed(5)  # after the model is built: the adapter one process draws, on every layout
+    model = peft.get_peft_model(model, _peft_config(method))
+    trainer = transformers.Trainer(model=model, args=_arguments(output_dir, per_device_rows), train_dataset=_Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    state = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+             for name, value in peft.get_peft_model_state_dict(model).items()}
+    return losses, state
+
+
+def _peft_trainer_run(rank, world_size, path, output_dir, tp, method):
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    _accelerate_takes_cpu(Accelerator)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    return _adapter_trained(model, method, output_dir, ROWS // (world_size // tp))
+
+
+def _peft_reference_run(rank, world_size, path, output_dir, method):
+    _fresh_accelerate_state()
+    return _adapter_trained(transformers.GPT2LMHeadModel.from_pretrained(path), method, output_dir, ROWS)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+def test_trainer_with_peft_equals_one_process(checkpoint, tmp_path, method):
+    """The usual PEFT fine-tuning recipe (``get_peft_model``, then transformers' ``Trainer``) at tp=2 with two
+    data-parallel replicas: the Trainer hands accelerate the PEFT model, and the adapter's gradients are still
+    averaged over the replicas; losses and the trained adapter are one process's on the global batch."""
+    pytest.importorskip("peft")
+    (expected_losses, expected), = run_distributed(_peft_reference_run, 1, checkpoint, str(tmp_path / "reference"),
+                                                   method, timeout=60)
+    for losses, state in run_distributed(_peft_trainer_run, 4, checkpoint, str(tmp_path), 2, method, timeout=110):
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert sorted(state) == sorted(expected)
+        for name, value in state.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")
