@@ -692,20 +692,23 @@ def test_lora_on_the_vocabulary_split_head_equals_peft_on_transformers(name, lay
                            timeout=300) == [True] * processes
 
 
-def _dora_refusal(rank, world_size, tmp, target, options):
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2, **options)
+def _refusal(rank, world_size, tmp, target, options):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
     try:
-        peft.get_peft_model(base, peft.LoraConfig(r=4, use_dora=True, target_modules=[target]))
+        peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=[target], **options))
     except NotImplementedError as exc:
         return str(exc)
     return None
 
 
 @pytest.mark.parametrize("target, options, message", [
-    ("lm_head", {}, "DoRA on a vocabulary-split layer"),
-], ids=["vocabulary-split-head"])
-def test_dora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target, options, message):
+    ("lm_head", dict(use_dora=True), "DoRA on a vocabulary-split layer"),
+    # (PiSSA's SVD of a DTensor slice crashed the process)
+    ("c_attn", dict(init_lora_weights="pissa"), "init_lora_weights='pissa' derives the adapter from the base weights"),
+    ("c_attn", dict(init_lora_weights="olora"), "init_lora_weights='olora' derives the adapter from the base weights"),
+], ids=["dora-vocabulary-split-head", "pissa", "olora"])
+def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target, options, message):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
-    for said in run_distributed(_dora_refusal, 2, str(tmp_path), target, options):
+    for said in run_distributed(_refusal, 2, str(tmp_path), target, options):
         assert said is not None and message in said

@@ -278,6 +278,14 @@ def _make_class():
                 raise NotImplementedError(
                     f"DoRA on a {type(base).__name__} that gathers its output (gather_output=True) of an oslo model of "
                     "several processes is not implemented yet: target the attention and MLP layers.")
+            init = config.init_lora_weights
+            if self._oslo_context is not None and not (isinstance(init, bool) or init in ("gaussian", "orthogonal")):
+                raise NotImplementedError(
+                    f"init_lora_weights={init!r} derives the adapter from the base weights (or from data), which an "
+                    "oslo model of several processes holds in slices: not implemented yet. Initialize the adapter in "
+                    "one process and save it as plain LoRA (for PiSSA, OLoRA and CorDA: save_pretrained(..., "
+                    "path_initial_model_for_weight_conversion=...)), then load it at any layout; or use "
+                    "init_lora_weights=True, False, 'gaussian' or 'orthogonal'.")
             kwargs["fan_in_fan_out"] = config.fan_in_fan_out
             super().__init__(base_layer, adapter_name, config=config, **kwargs)
 
