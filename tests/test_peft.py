@@ -712,3 +712,28 @@ def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target
         tmp_path / "base")
     for said in run_distributed(_refusal, 2, str(tmp_path), target, options):
         assert said is not None and message in said
+
+
+def _all_linear_targets(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, task_type):
+    model = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size,
+                                                                pipeline_parallel_size=pipeline_parallel_size)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", task_type=task_type))
+    return sorted(module_name for module_name, module in adapted.named_modules() if hasattr(module, "lora_A"))
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)], ids=str)
+@pytest.mark.parametrize("name, task_type", [("GPT2LMHeadModel", None), ("LlamaForCausalLM", None),
+                                             ("BertForSequenceClassification", "SEQ_CLS"),
+                                             ("T5ForConditionalGeneration", None)])
+def test_all_linear_targets_the_layers_it_targets_on_transformers(name, task_type, layout, tmp_path):
+    """``target_modules="all-linear"`` (PEFT's shorthand: every nn.Linear and Conv1D but the output layer) takes
+    oslo's linear layers too: the layers PEFT adapts on the transformers model, with pipelines each stage its own."""
+    case = next(c for c in CASES if c.name == name)
+    reference = getattr(transformers, name)(case.config())
+    reference.save_pretrained(tmp_path / "base")
+    expected = peft.get_peft_model(reference, peft.LoraConfig(r=4, target_modules="all-linear", task_type=task_type))
+    expected = sorted(module_name for module_name, module in expected.named_modules() if hasattr(module, "lora_A"))
+    tp, pp = layout
+    said = run_distributed(_all_linear_targets, tp * pp, name, str(tmp_path), tp, pp, task_type, timeout=120)
+    assert sorted(set().union(*said)) == expected

@@ -767,6 +767,27 @@ def _oslo_model(peft_model):
     return model if hasattr(model, "parallel_context") else None
 
 
+def _oslo_linear_layers(model, peft_config) -> set[str]:
+    """The names of ``model``'s oslo linear layers that PEFT's ``"all-linear"`` takes, by PEFT's rules: not the
+    output layer (nor, for sequence classification, the classifier), not a layer an adapter already wraps."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES
+
+    excluded = set()
+    output = model.get_output_embeddings()
+    heads = [output] if output is not None else (
+        [getattr(model, name) for name in SEQ_CLS_HEAD_NAMES if getattr(model, name, None) is not None][:1]
+        if getattr(peft_config, "task_type", None) == "SEQ_CLS" else [])
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+        if isinstance(module, BaseTunerLayer):
+            excluded.update(f"{name}.{suffix}" for suffix, _ in module.named_modules() if suffix)
+    excluded.update(names[id(head)] for head in heads if id(head) in names)
+    return {name for name, module in model.named_modules()
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear))} - excluded
+
+
 def _whole_adapter(state: dict, model) -> dict:
     """The adapter's state dict as PEFT writes it: whole tensors (a DTensor's slices gathered over its group) and,
     with pipelines, every stage's entries (gathered over the pipeline group: each stage holds its layers')."""
@@ -972,6 +993,22 @@ def _install_copies_and_saves() -> None:
                         "it unmerged.")
 
         return merge_allowed
+
+    # target_modules="all-linear" picks the nn.Linear and Conv1D layers: oslo's linear layers are linear layers too.
+    import peft.tuners.tuners_utils as tuners_utils
+
+    all_linear = tuners_utils._maybe_include_all_linear_layers
+
+    @functools.wraps(all_linear)
+    def all_linear_with_oslo_layers(peft_config, model):
+        target = getattr(peft_config, "target_modules", None)
+        shorthand = isinstance(target, str) and target.lower() == "all-linear"
+        peft_config = all_linear(peft_config, model)
+        if shorthand and hasattr(model, "parallel_context"):
+            peft_config.target_modules = set(peft_config.target_modules) | _oslo_linear_layers(model, peft_config)
+        return peft_config
+
+    tuners_utils._maybe_include_all_linear_layers = all_linear_with_oslo_layers
 
     # PEFT's prompt learning embeds the virtual tokens itself, on every rank: a later pipeline stage has no input
     # embeddings (PEFT would fail there with "'NoneType' object is not callable", mid-step). Refused on every rank.
