@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import oslo
+from oslo.parallel.errors import RankFailedError
 from tests.distributed import run_distributed
 from tests.models.zoo import all_cases, compare_outputs
 
@@ -200,9 +201,12 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
         case.loss(ours(**batch)).backward()
     expected_grads = _grads_by_name(theirs)
     actual_grads = _grads_by_name(ours)
-    assert actual_grads and set(actual_grads) <= set(expected_grads)  # with pipelines: this stage's adapters
-    if pipeline_parallel_size == 1:
-        assert sorted(actual_grads) == sorted(expected_grads)
+    assert set(actual_grads) <= set(expected_grads)  # with pipelines: this stage's adapters (maybe none)
+    stages = [actual_grads]
+    if pipeline_parallel_size > 1:  # every stage's, together
+        stages = [None] * pipeline_parallel_size
+        dist.all_gather_object(stages, sorted(actual_grads), group=base.parallel_context.pipeline_parallel_group)
+    assert sorted(set().union(*stages)) == sorted(expected_grads)
     for key, grad in actual_grads.items():
         torch.testing.assert_close(grad, expected_grads[key], msg=lambda m, k=key: f"{k}: {m}")
     # the whole adapter's gradient norm: stock clipping over DTensors, or the model's own across stages
@@ -213,7 +217,9 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
         norm = torch.nn.utils.clip_grad_norm_([p for p in ours.parameters() if p.requires_grad], 1e9)
     torch.testing.assert_close(norm.full_tensor() if hasattr(norm, "full_tensor") else norm, expected_norm)
     for model in (theirs, ours):
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr).step()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if trained:  # (a pipeline stage may hold none of the adapted layers)
+            torch.optim.SGD(trained, lr=lr).step()
     ours.eval()
     theirs.eval()
     with torch.no_grad():
@@ -568,16 +574,18 @@ def test_two_dora_adapters_merge_at_tp2_as_peft(tmp_path):
     assert run_distributed(_dora_pair_merged, 2, str(tmp_path)) == [True, True]
 
 
-def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size):
+def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size, pipeline_parallel_size):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size)
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size,
+                                                                pipeline_parallel_size=pipeline_parallel_size)
     config = _lora_config(case) if method == "lora" else peft.IA3Config(init_ia3_weights=False,  # random vectors
                                                                           **IA3_TARGETS[case.name])
-    torch.manual_seed(rank)  # the ranks' own generators differ: each takes rank 0's draw
+    torch.manual_seed(rank)  # the ranks' own generators differ: each takes its stage's first rank's draw
     ours = peft.get_peft_model(base, copy.deepcopy(config))
+    state = torch.get_rng_state()
     with torch.no_grad():
         adapted = ours(**case.batch())
         ours.save_pretrained(f"{tmp}/new", is_main_process=rank == 0)
@@ -593,21 +601,27 @@ def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size):
     assert sorted(saved) == sorted(expected)
     for key, value in saved.items():
         torch.testing.assert_close(value, expected[key], msg=lambda m, k=key: f"{k}: {m}")
+    # rank 0's column of stages continued one generator: each holds one process's state after the draw
+    context = base.parallel_context
+    if context.tensor_parallel_rank == 0 and context.data_parallel_rank == 0:
+        assert torch.equal(state, torch.get_rng_state())
     return True
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2", "pp2", "tp2-pp2"])
 @pytest.mark.parametrize("method", ["lora", "ia3"])
 def test_new_adapter_is_the_one_process_draw(tmp_path, method, layout):
     """``get_peft_model`` with several processes draws the whole matrices from torch's generator, as PEFT does in one
-    process, and every rank takes the first rank's (the ranks' generators differ here): the ranks' slices are one
+    process, and every rank takes its stage's first rank's (the ranks' generators differ here); with pipelines the
+    stages draw one after the other, each continuing the generator of the stage before. The ranks' slices are one
     adapter, the one a process draws after the same ``torch.manual_seed`` (so a layout does not change what a
-    seeded script trains), and what the split forward computes is what transformers computes with the saved file."""
+    seeded script trains), the generator is left as one process leaves it, and what the split forward computes is
+    what transformers computes with the saved file."""
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")
-    processes = 4 if layout == "tp2-dp2" else 2
-    assert run_distributed(_new_adapter, processes, str(tmp_path), method, 2) == [True] * processes
+    tp, pp, processes = {"tp2": (2, 1, 2), "tp2-dp2": (2, 1, 4), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4)}[layout]
+    assert run_distributed(_new_adapter, processes, str(tmp_path), method, tp, pp) == [True] * processes
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -692,12 +706,14 @@ def test_lora_on_the_vocabulary_split_head_equals_peft_on_transformers(name, lay
                            timeout=300) == [True] * processes
 
 
-def _refusal(rank, world_size, tmp, target, options):
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)
+def _refusal(rank, world_size, tmp, target, options, pipeline_parallel_size=1):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        f"{tmp}/base", tensor_parallel_size=world_size // pipeline_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size)
     try:
         peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=[target], **options))
-    except NotImplementedError as exc:
-        return str(exc)
+    except (NotImplementedError, RankFailedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
@@ -712,6 +728,43 @@ def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target
         tmp_path / "base")
     for said in run_distributed(_refusal, 2, str(tmp_path), target, options):
         assert said is not None and message in said
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_a_refusal_on_one_stage_reaches_the_others(tmp_path):
+    """With pipelines the stages add an adapter one after the other; a stage that refuses (DoRA on the LM head, held
+    by the last stage) tells the stages waiting on it, which raise instead of waiting."""
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    first, last = run_distributed(_refusal, 2, str(tmp_path), "lm_head", dict(use_dora=True), 2, timeout=60)
+    assert last.startswith("NotImplementedError: DoRA on a vocabulary-split layer"), last
+    assert first == "RankFailedError: pipeline stage 1 failed to add the adapter (its error is raised there)", first
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_an_adapter_of_one_stage_s_layers_equals_peft_on_transformers(tmp_path):
+    """LoRA on the LM head alone at pp=2: the first stage holds none of the targeted layers and adds the adapter with
+    none (PEFT alone refused there: "Target modules {'lm_head'} not found"); outputs, gradients, a step, the saved
+    adapter, merging as PEFT on transformers."""
+    case = next(c for c in CASES if c.name == "LlamaForCausalLM")
+    _reference_adapter(case, tmp_path, target_modules=["lm_head"])
+    assert run_distributed(_split_equals_peft, 2, case.name, str(tmp_path), 1, 2, 0.05, timeout=120) == [True, True]
+
+
+def _missing_target(rank, world_size, tmp):
+    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", pipeline_parallel_size=2)
+    try:
+        peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_a_target_on_no_stage_is_peft_s_error_on_every_rank(tmp_path):
+    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
+        tmp_path / "base")
+    for said in run_distributed(_missing_target, 2, str(tmp_path), timeout=60):
+        assert said.startswith("NoMatchingPeftModuleError: Target modules {'q_proj'} not found"), said
 
 
 def _all_linear_targets(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, task_type):

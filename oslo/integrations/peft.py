@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from oslo.checkpoint import StagedSave
 from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, unblock, undistribute_parameters
-from oslo.parallel.errors import naming_timeouts
+from oslo.parallel.errors import RankFailedError, naming_timeouts
 from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
@@ -844,6 +844,59 @@ def _adalora_module(target, adapter_name, config, device_map=None, **kwargs):
     return _AdaLoraOnOsloLinear(target, adapter_name, config=config, r=kwargs["r"], lora_alpha=kwargs["lora_alpha"])
 
 
+def _in_stage_order(tuner, model, adapter_name: str, inject):
+    """Run ``inject`` (PEFT adding adapter ``adapter_name``, which draws new matrices from torch's generator) one
+    pipeline stage after the other, each stage continuing the generator where the stage before left it, as one
+    process draws the layers in order: a new adapter is one process's draw on every stage, and every rank then holds
+    the generator one process holds after it (the ranks' later draws, a batch, agree).
+
+    A stage that holds none of the targeted layers (``target_modules=["lm_head"]`` on the first) adds the adapter
+    with none, as PEFT adds a dummy one, unless no stage holds any (then PEFT's error, on every rank). A stage that
+    fails tells the others, which raise :class:`~oslo.parallel.errors.RankFailedError` instead of waiting."""
+    from peft.utils.constants import DUMMY_TARGET_MODULES
+    from peft.utils.error import NoMatchingPeftModuleError
+
+    context = getattr(model, "parallel_context", None)
+    if context is None or context.pipeline_parallel_size == 1:
+        return inject()
+    failure = None
+    matched = []  # per stage: whether it held a targeted layer
+    state = torch.get_rng_state()
+    for stage in range(context.pipeline_parallel_size):
+        status = 0
+        if stage == context.pipeline_parallel_rank:
+            try:
+                inject()
+            except NoMatchingPeftModuleError as exc:  # none here: known once every stage tried
+                failure, status = exc, 2
+            except Exception as exc:  # noqa: BLE001 - passed on to the other stages, then raised here
+                failure, status = exc, 1
+            state = torch.get_rng_state()
+        message = torch.cat([torch.tensor([status], dtype=torch.uint8), state]).to(context.device)
+        with naming_timeouts(context, f"adding an adapter on pipeline stage {stage}, then the next",
+                             "every rank adds the same adapters to the model (get_peft_model, add_adapter)",
+                             context.pipeline_parallel_group):
+            torch.distributed.broadcast(message, group=context.pipeline_parallel_group, group_src=stage)
+        message = message.cpu()
+        if message[0] == 1:
+            if stage == context.pipeline_parallel_rank:
+                raise failure
+            raise RankFailedError(f"pipeline stage {stage} failed to add the adapter (its error is raised there)")
+        matched.append(message[0] == 0)
+        state = message[1:].clone()
+        torch.set_rng_state(state)
+    if failure is not None:  # this stage holds none of the targeted layers
+        if not any(matched):
+            raise failure
+        config = tuner.peft_config[adapter_name]
+        targets = config.target_modules
+        config.target_modules = DUMMY_TARGET_MODULES
+        try:
+            inject()
+        finally:
+            config.target_modules = targets
+
+
 def _teach(tuner, module_for) -> None:
     """Make PEFT's ``tuner`` (``LoraModel``, ``IA3Model``) wrap oslo's layers with ``module_for``'s modules (PEFT's
     own for the others) and tell the layers their model's parallel context before it injects an adapter."""
@@ -859,9 +912,10 @@ def _teach(tuner, module_for) -> None:
         inject_adapter = None
     else:
         @functools.wraps(inject)
-        def inject_adapter(self, model, *args, **kwargs):
+        def inject_adapter(self, model, adapter_name, *args, **kwargs):
             _check_layout(model)
-            return inject(self, model, *args, **kwargs)
+            return _in_stage_order(self, model, adapter_name, lambda: inject(self, model, adapter_name, *args,
+                                                                             **kwargs))
 
         inject_adapter._oslo_layout = True
 

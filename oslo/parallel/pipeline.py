@@ -620,6 +620,18 @@ class _ReceivedGradient(torch.autograd.Function):
         return None, None, None, None, *gradients, *([None] * len(gradients))
 
 
+def _received_loss(loss_value: torch.Tensor, seed: torch.Tensor, record: list,
+                   pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The ``loss`` of a stage that is not the last (see :class:`_ReceivedGradient`), from ``pairs`` of this stage's
+    outputs and the gradients received for them. A stage none of whose outputs needs a gradient (nothing up to it
+    trains: a frozen first stage, or one an adapter leaves untouched) still yields a loss to call ``backward()`` on,
+    as the manual's loop does on every stage: its backward records the seed and computes nothing."""
+    if not pairs:
+        loss_value = loss_value.detach().requires_grad_()
+    return _ReceivedGradient.apply(loss_value, seed, record, len(pairs), *(output for output, _ in pairs),
+                                   *(gradient for _, gradient in pairs))
+
+
 def _payload_list(payload: dict[str, torch.Tensor | None], names: tuple[str, ...]) -> list[torch.Tensor | None]:
     """A stage's payload (named tensors) in the order every stage shares."""
     if not isinstance(payload, dict) or set(payload) != set(names):
@@ -845,8 +857,7 @@ def pipeline_schedule(
                 pairs = [(output, gradient) for output, gradient in zip(_payload_list(result, payload), gradients,
                                                                         strict=True)
                          if gradient is not None and output.requires_grad]
-                loss = _ReceivedGradient.apply(loss_value, seed, seeds, len(pairs),
-                                               *(output for output, _ in pairs), *(gradient for _, gradient in pairs))
+                loss = _received_loss(loss_value, seed, seeds, pairs)
                 start = time.perf_counter()
                 yield micro_output(None, loss)
             if timeline is not None:
@@ -1097,8 +1108,7 @@ def _interleaved_schedule(context, num_micro_batches, stage_forward, micro_outpu
                     yield micro_output(result, loss)
                 else:
                     pairs, loss_value, seed = received_gradients(chunk, i)
-                    outputs, gradients = [output for output, _ in pairs], [gradient for _, gradient in pairs]
-                    loss = _ReceivedGradient.apply(loss_value, seed, seeds, len(pairs), *outputs, *gradients)
+                    loss = _received_loss(loss_value, seed, seeds, pairs)
                     start = time.perf_counter()
                     hand[:] = [chunk, i, seeds, loss_value]
                     yield micro_output(None, loss)

@@ -419,3 +419,36 @@ def test_problem_type_is_decided_on_every_stage(tmp_path):
     assert types == ["single_label_classification"] * 2
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["problem_type"] == "single_label_classification"
+
+
+def _frozen_first_stage(rank, world_size, path, interleaved):
+    options = dict(virtual_pipeline_size=2) if interleaved else {}
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, **options)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path)
+    frozen = ("transformer.wte.", "transformer.wpe.", "transformer.h.0.", "transformer.h.1.")
+    for net in (model, reference):
+        for name, param in net.named_parameters():
+            param.requires_grad_(not name.startswith(frozen))
+    batch = _batch()
+    reference(**batch).loss.backward()
+    for micro_output in model(**batch):  # the manual's loop, on every stage
+        micro_output.loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    actual = {name: grad for name, grad in full_grads(model).items() if grad is not None}
+    if model.parallel_context.pipeline_parallel_rank == 0 and not interleaved:
+        assert not actual  # nothing on the first stage trains
+    for name, grad in actual.items():
+        torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    return sorted(actual)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["1f1b", "interleaved"])
+def test_a_frozen_first_stage_runs_the_manual_loop(tmp_path, interleaved):
+    """Fine-tuning the top of a model: the first stage's layers are all frozen, so none of its outputs needs a
+    gradient; its micro-batch losses still take ``backward()`` (recording the seed, computing nothing), and the
+    other stages' gradients are those of one process."""
+    config = tiny_gpt2_config(n_layer=4, tie_word_embeddings=False)
+    save_reference(transformers.GPT2LMHeadModel, config, tmp_path)
+    names = run_distributed(_frozen_first_stage, 2, str(tmp_path), interleaved, timeout=120)
+    trained = {name for stage in names for name in stage}
+    assert trained and not any(name.startswith("transformer.h.0.") for name in trained)
