@@ -790,3 +790,55 @@ def test_all_linear_targets_the_layers_it_targets_on_transformers(name, task_typ
     tp, pp = layout
     said = run_distributed(_all_linear_targets, tp * pp, name, str(tmp_path), tp, pp, task_type, timeout=120)
     assert sorted(set().union(*said)) == expected
+
+
+def _half_precision(rank, world_size, name, tmp, method, tensor_parallel_size, pipeline_parallel_size):
+    import torch.distributed as dist
+
+    case = next(c for c in CASES if c.name == name)
+    batch = case.batch()
+    base = getattr(oslo, name).from_pretrained_with_parallel(
+        f"{tmp}/base", tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size).to(torch.bfloat16)
+    ours = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs", is_trainable=True)
+    theirs = peft.PeftModel.from_pretrained(
+        getattr(transformers, name).from_pretrained(f"{tmp}/base").to(torch.bfloat16), f"{tmp}/theirs")
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    assert trained and {p.dtype for p in trained.values()} == {torch.float32}  # PEFT's autocast_adapter_dtype
+    # bfloat16 logits: the split matmuls sum in another order (a bfloat16 ulp at these values is 2 ** -7)
+    tolerance = dict(atol=0.05, rtol=0.02)
+    with torch.no_grad():
+        if pipeline_parallel_size == 1:
+            adapted = ours(**batch).logits
+            torch.testing.assert_close(adapted.float(), theirs(**batch).logits.float(), **tolerance)
+        ours.save_pretrained(f"{tmp}/ours", is_main_process=rank == 0)
+        dist.barrier()
+        if pipeline_parallel_size == 1:
+            ours.merge_adapter()
+            torch.testing.assert_close(ours(**batch).logits.float(), adapted.float(), **tolerance)
+    if pipeline_parallel_size > 1:
+        for micro_output in ours(**batch):
+            case.loss(micro_output).backward()
+    else:
+        ours.unmerge_adapter()
+        case.loss(ours(**batch)).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trained.values())
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning", "ignore:Unmerge result can be inaccurate")
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-pp2"])
+def test_an_adapter_of_a_bfloat16_model_trains_in_float32(layout, method, tmp_path):
+    """PEFT keeps the adapter of a half-precision model in float32 (``autocast_adapter_dtype``) by replacing its
+    parameters; an oslo adapter's DTensors are converted on their storages instead (PEFT's replacement lost them:
+    every call raised "got mixed torch.Tensor and DTensor"). Outputs as PEFT on transformers in bfloat16, merging,
+    float32 gradients."""
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    if method == "lora":
+        _reference_adapter(case, tmp_path)
+    else:
+        _reference_ia3(case, tmp_path)
+    tp, pp, processes = LAYOUTS[layout]
+    assert run_distributed(_half_precision, processes, case.name, str(tmp_path), method, tp, pp,
+                           timeout=120) == [True] * processes

@@ -72,6 +72,21 @@ class _KeepsDTensors:
         finally:
             distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
 
+    def upcast(self, names=None) -> None:
+        """PEFT's ``autocast_adapter_dtype``: the half-precision parameters ``names`` (all: ``None``) in float32,
+        still DTensors on their storages (PEFT's own cast replaces a parameter with a new one)."""
+        plain_leaves = undistribute_parameters(self)
+        try:
+            for name, param in list(self._parameters.items()):
+                if param is not None and (names is None or name in names) and param.dtype in _UPCAST:
+                    self._parameters[name] = torch.nn.Parameter(param.detach().float(),
+                                                                requires_grad=param.requires_grad)
+        finally:
+            distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
+
+
+_UPCAST = (torch.float16, torch.bfloat16)  # what PEFT's autocast_adapter_dtype takes to float32
+
 
 class _Shard(_KeepsDTensors, torch.nn.Module):
     """One LoRA matrix (``lora_A`` or ``lora_B``, with ``lora_bias`` its bias) or DoRA magnitude vector of a model of
@@ -1063,6 +1078,28 @@ def _install_copies_and_saves() -> None:
         return peft_config
 
     tuners_utils._maybe_include_all_linear_layers = all_linear_with_oslo_layers
+
+    # PEFT takes an adapter of a half-precision model to float32 by replacing its parameters: oslo's adapter DTensors
+    # are converted on their storages first (PEFT then finds nothing to convert).
+    cast = tuners_utils.cast_adapter_dtype
+
+    @functools.wraps(cast)
+    def cast_keeping_dtensors(model, adapter_name, autocast_adapter_dtype=True):
+        if autocast_adapter_dtype:
+            for layer in model.modules():
+                if not isinstance(layer, _OnOsloLayer):
+                    continue
+                for layer_name in layer.adapter_layer_names:
+                    adapters = getattr(layer, layer_name, None)
+                    if not isinstance(adapters, torch.nn.Module) or adapter_name not in adapters:
+                        continue
+                    if isinstance(adapters, _Vectors):  # (IA)^3's vectors
+                        adapters.upcast({adapter_name})
+                    elif isinstance(adapters[adapter_name], _KeepsDTensors):  # a LoRA matrix, DoRA's magnitude
+                        adapters[adapter_name].upcast()
+        return cast(model, adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+
+    tuners_utils.cast_adapter_dtype = cast_keeping_dtensors
 
     # PEFT's prompt learning embeds the virtual tokens itself, on every rank: a later pipeline stage has no input
     # embeddings (PEFT would fail there with "'NoneType' object is not callable", mid-step). Refused on every rank.
