@@ -7,6 +7,8 @@ functions of ``mappings.py``, called visibly in ``forward``.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,6 +28,22 @@ from oslo.parallel.mappings import (
     scatter_to_tensor_parallel,
 )
 from oslo.parallel.plan import COLUMN, ROW, VOCAB, ShardSpec
+
+
+class _SharedOnCopy:
+    """``copy.deepcopy`` of a parallel layer (PEFT's ``modules_to_save`` trains a copy of the layer) shares what ties
+    the layer to its model's processes: its process group (which cannot be copied) and its sequence-parallel state
+    (which the model switches on and off for all its layers). The rest is copied as torch copies a module."""
+
+    def __deepcopy__(self, memo):
+        for name in ("group", "sequence"):
+            value = self.__dict__.get(name)
+            if value is not None:
+                memo.setdefault(id(value), value)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -136,7 +154,7 @@ def _tensor_parallel(parallel_context: ParallelContext | None) -> tuple[object, 
             parallel_context.tensor_parallel_rank)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_SharedOnCopy, nn.Module):
     """Linear layer whose output features are split across tensor-parallel ranks.
 
     Forward: identity on the input (its gradient is all-reduced), local matmul, and an all-gather of
@@ -214,7 +232,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SharedOnCopy, nn.Module):
     """Linear layer whose input features are split across tensor-parallel ranks.
 
     Forward: local matmul on this rank's input slice, all-reduce (sum) of the partial outputs, then
@@ -283,7 +301,7 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_SharedOnCopy, nn.Module):
     """Embedding whose vocabulary rows are split across tensor-parallel ranks.
 
     Each rank looks up the ids it owns, zeroes the rows of ids it does not, and the partial results
@@ -337,7 +355,7 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, local rows {rows} + {padding} padding"
 
 
-class ColumnParallelEmbedding(nn.Module):
+class ColumnParallelEmbedding(_SharedOnCopy, nn.Module):
     """Embedding whose embedding dimension (columns) is split across tensor-parallel ranks: each rank looks
     up its own columns of every row, with no communication. T5's relative position bias, a table of
     ``(num_buckets, num_heads)``, is one: each rank holds its attention heads' columns.

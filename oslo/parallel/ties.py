@@ -137,8 +137,9 @@ def pipeline_gradient_reduction(
     at the start of the step.
     """
     context = model.parallel_context
-    # under the model's own names: a PEFT adapter wrapping a tied layer (an LM head) holds its weight as base_layer
-    parameters = {name.replace(".base_layer.", "."): param
+    # under the model's own names: a PEFT adapter wrapping a tied layer (an LM head) holds its weight as base_layer,
+    # PEFT's modules_to_save as original_module (beside the trained copy, which no tie holds)
+    parameters = {name.replace(".base_layer.", ".").replace(".original_module.", "."): param
                   for name, param in model.named_parameters(remove_duplicate=False)}
     families = tie_families(model)
     tied = []  # (parameter, group): this stage's one parameter of each tie held on several stages
