@@ -722,7 +722,9 @@ def _refusal(rank, world_size, tmp, target, options, pipeline_parallel_size=1):
     # (PiSSA's SVD of a DTensor slice crashed the process)
     ("c_attn", dict(init_lora_weights="pissa"), "init_lora_weights='pissa' derives the adapter from the base weights"),
     ("c_attn", dict(init_lora_weights="olora"), "init_lora_weights='olora' derives the adapter from the base weights"),
-], ids=["dora-vocabulary-split-head", "pissa", "olora"])
+    # (PEFT alone failed at the first call: "TrainableTokensLayer wraps an unknown layer type")
+    ("c_attn", dict(trainable_token_indices=[3, 5]), "PEFT's trainable tokens (trainable_token_indices) on oslo's"),
+], ids=["dora-vocabulary-split-head", "pissa", "olora", "trainable-tokens"])
 def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target, options, message):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
         tmp_path / "base")

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from oslo.checkpoint import StagedSave
 from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, unblock, undistribute_parameters
 from oslo.parallel.errors import RankFailedError, naming_timeouts
-from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -1100,6 +1100,23 @@ def _install_copies_and_saves() -> None:
         return cast(model, adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
 
     tuners_utils.cast_adapter_dtype = cast_keeping_dtensors
+
+    # PEFT's trainable tokens (trainable_token_indices=...) compute with nn.Embedding's and nn.Linear's functions:
+    # refused on oslo's vocabulary layers when the adapter is added (PEFT alone failed at the first call).
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    tokens_init = TrainableTokensLayer.__init__
+
+    @functools.wraps(tokens_init)
+    def tokens_on_plain_layers(self, base_layer, *args, **kwargs):
+        if isinstance(base_layer, (VocabParallelEmbedding, ColumnParallelLinear)):
+            raise NotImplementedError(
+                f"PEFT's trainable tokens (trainable_token_indices) on oslo's {type(base_layer).__name__} are not "
+                "implemented yet: train the whole embeddings instead (modules_to_save=[<the input embeddings' "
+                "name>] and, when the head is tied to them, the head's).")
+        tokens_init(self, base_layer, *args, **kwargs)
+
+    TrainableTokensLayer.__init__ = tokens_on_plain_layers
 
     # PEFT's prompt learning embeds the virtual tokens itself, on every rank: a later pipeline stage has no input
     # embeddings (PEFT would fail there with "'NoneType' object is not callable", mid-step). Refused on every rank.
