@@ -72,6 +72,17 @@ class _KeepsDTensors:
         finally:
             distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
 
+    def assign(self, parts: dict[str, torch.Tensor]) -> None:
+        """``load_state_dict(assign=True)``: the parameters ``parts`` names become these slices (their device and
+        dtype), still DTensors on their storages."""
+        plain_leaves = undistribute_parameters(self)
+        try:
+            for name, part in parts.items():
+                trained = self._parameters[name].requires_grad
+                self._parameters[name] = torch.nn.Parameter(part.detach(), requires_grad=trained)
+        finally:
+            distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
+
     def upcast(self, names=None) -> None:
         """PEFT's ``autocast_adapter_dtype``: the half-precision parameters ``names`` (all: ``None``) in float32,
         still DTensors on their storages (PEFT's own cast replaces a parameter with a new one)."""
@@ -154,8 +165,13 @@ class _Shard(_KeepsDTensors, torch.nn.Module):
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(full.shape)}, the "
                                   f"shape in current model is {shape}.")
                 continue
+            part = _slice(full, self.parallel_specs.get(name))
+            if local_metadata.get("assign_to_params_buffers", False) or self.stored(name).is_meta:
+                # load_state_dict(assign=True) (PEFT's low_cpu_mem_usage: the module was built on the meta device)
+                self.assign({name: part})
+                continue
             with torch.no_grad():
-                self.stored(name).copy_(_slice(full, self.parallel_specs.get(name)))
+                self.stored(name).copy_(part)
 
 
 def _slice(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
@@ -606,6 +622,29 @@ class _Vectors(_KeepsDTensors, torch.nn.ParameterDict):
             if isinstance(value, DTensor):
                 value = unblock(value.full_tensor(), self.parallel_specs.get(name))
             destination[prefix + name] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        if not local_metadata.get("assign_to_params_buffers", False):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        # load_state_dict(assign=True) (PEFT's low_cpu_mem_usage): this rank's slices, kept on their storages
+        parts = {}
+        for name, param in self._parameters.items():
+            value = state_dict.get(prefix + name)
+            if value is None:
+                if strict:
+                    missing_keys.append(prefix + name)
+                continue
+            if isinstance(value, DTensor):  # PEFT (or the load hook) made it one: this rank's slice of the whole
+                value = unblock(value.full_tensor(), self.parallel_specs.get(name))
+            shape = tuple(unblock(torch.empty(param.shape, device="meta"), self.parallel_specs.get(name)).shape)
+            if tuple(value.shape) != shape:
+                error_msgs.append(f"size mismatch for {prefix + name}: copying a param with shape "
+                                  f"{tuple(value.shape)}, the shape in current model is {shape}.")
+                continue
+            parts[name] = _slice(value, self.parallel_specs.get(name))
+        self.assign(parts)
 
 
 def _make_ia3_class():
