@@ -803,6 +803,47 @@ def test_an_adapter_loaded_with_low_cpu_mem_usage_equals_peft_on_transformers(la
                            timeout=120) == [True] * processes
 
 
+def _weighted(rank, world_size, tmp, method, combination_type):
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    batch = case.batch()
+    outputs = []
+    for base in (transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
+                 oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)):
+        model = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs", adapter_name="first")
+        model.load_adapter(f"{tmp}/theirs", adapter_name="second")
+        options = {} if method == "ia3" else dict(combination_type=combination_type)
+        try:
+            model.add_weighted_adapter(["first", "second"], [0.7, 0.5], "combined", **options)
+        except NotImplementedError as exc:
+            return str(exc)
+        model.set_adapter("combined")
+        with torch.no_grad():
+            outputs.append(model(**batch))
+    compare_outputs(outputs[1], outputs[0], f"{method} {combination_type}")
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("method, combination_type", [("lora", "cat"), ("lora", "svd"), ("lora", "linear"),
+                                                      ("ia3", None)])
+def test_add_weighted_adapter_at_tp2(method, combination_type, tmp_path):
+    """PEFT's ``add_weighted_adapter`` at tp=2: LoRA's concatenation (a split matrix's slices concatenated along the
+    rank) and (IA)^3's weighted sum as PEFT on transformers; LoRA's other types combine whole matrices (the default,
+    "svd", of their product) and refuse on every rank (they were wrong, silently for "svd")."""
+    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    if method == "lora":
+        _reference_adapter(case, tmp_path)
+    else:
+        _reference_ia3(case, tmp_path)
+    said = run_distributed(_weighted, 2, str(tmp_path), method, combination_type, timeout=120)
+    if combination_type in (None, "cat"):
+        assert said == [True, True]
+        return
+    for message in said:
+        assert message.startswith(f"add_weighted_adapter(combination_type={combination_type!r}) on an oslo model of "
+                                  "several processes is not implemented yet"), said
+
+
 def _all_linear_targets(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, task_type):
     model = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size,
                                                                 pipeline_parallel_size=pipeline_parallel_size)

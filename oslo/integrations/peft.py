@@ -1157,6 +1157,24 @@ def _install_copies_and_saves() -> None:
 
     TrainableTokensLayer.__init__ = tokens_on_plain_layers
 
+    # LoRA's add_weighted_adapter combines the matrices (and, for the SVD types, their product) as whole tensors:
+    # with several processes only the concatenation, which a split matrix takes slice by slice, is implemented.
+    weighted = LoraModel.add_weighted_adapter
+
+    @functools.wraps(weighted)
+    def add_weighted_adapter(self, adapters, weights, adapter_name, combination_type="svd", *args, **kwargs):
+        model = getattr(self, "model", None)
+        context = getattr(model, "parallel_context", None)
+        if context is not None and context.world_size > 1 and combination_type != "cat":
+            raise NotImplementedError(
+                f"add_weighted_adapter(combination_type={combination_type!r}) on an oslo model of several processes "
+                "is not implemented yet (combination_type='cat' is): combine the adapters in one process (load them "
+                "on the model built there, add_weighted_adapter, save_pretrained), then load the result at any "
+                "layout.")
+        return weighted(self, adapters, weights, adapter_name, combination_type, *args, **kwargs)
+
+    LoraModel.add_weighted_adapter = add_weighted_adapter
+
     # PEFT's prompt learning embeds the virtual tokens itself, on every rank: a later pipeline stage has no input
     # embeddings (PEFT would fail there with "'NoneType' object is not callable", mid-step). Refused on every rank.
     setup = peft.peft_model.PeftModel._setup_prompt_encoder
