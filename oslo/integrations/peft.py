@@ -235,6 +235,8 @@ class _OnOsloLayer:
         the data-parallel group. A model of one stage so gets the adapter one process draws after the same
         ``torch.manual_seed``, whatever the other ranks' generators hold."""
         context = self._oslo_context
+        if any(tensor.is_meta for tensor in tensors):  # built empty, to be loaded (PEFT's low_cpu_mem_usage)
+            return
         flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
         with naming_timeouts(context, "taking a new adapter's initial values from the first rank",
                              "every rank adds the same adapters to the model (get_peft_model, add_adapter)"):
