@@ -919,3 +919,46 @@ def test_an_adapter_of_a_bfloat16_model_trains_in_float32(layout, method, tmp_pa
     tp, pp, processes = LAYOUTS[layout]
     assert run_distributed(_half_precision, processes, case.name, str(tmp_path), method, tp, pp,
                            timeout=120) == [True] * processes
+
+
+def _ddp_trained(rank, world_size, path, tensor_parallel_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.scripts.train_dp import LR, ROWS, STEPS, global_batch
+
+    if tensor_parallel_size == 0:  # the reference: transformers' model in one process, on the global batch
+        model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    else:
+        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tensor_parallel_size)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
+                                                         init_lora_weights=False)).train()
+    call, rows, start = adapted, ROWS, 0
+    if tensor_parallel_size:  # the manual's data-parallel loop, each replica on its rows
+        mpu = model.mpu
+        call = DistributedDataParallel(adapted.gpu_modules(), process_group=mpu.get_data_parallel_group())
+        rows = ROWS // mpu.get_data_parallel_world_size()
+        start = mpu.get_data_parallel_rank() * rows
+    optimizer = torch.optim.SGD(adapted.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        batch = {name: value[start:start + rows] for name, value in global_batch(step).items()}
+        call(**batch).loss.backward()
+        optimizer.step()
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in peft.get_peft_model_state_dict(adapted).items()}
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_an_adapter_trains_under_ddp_as_in_one_process(tmp_path):
+    """The manual's data-parallel loop (``DistributedDataParallel(model.gpu_modules(), ...)``) on a PEFT model at
+    tp=2 with two replicas, each on its rows: the frozen base weights take no gradient hooks (registering one
+    raised), and the trained adapter is the one one process trains on the global batch."""
+    from tests.helpers import save_reference, tiny_gpt2_config
+
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), tmp_path)
+    expected, = run_distributed(_ddp_trained, 1, str(tmp_path), 0, timeout=60)
+    for state in run_distributed(_ddp_trained, 4, str(tmp_path), 2, timeout=120):
+        assert sorted(state) == sorted(expected)
+        for name, value in state.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")

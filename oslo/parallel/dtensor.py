@@ -713,17 +713,20 @@ def use_plain_leaves(model: nn.Module) -> None:
     """From now on the storages are the tensors autograd trains (``DistributedDataParallel``/DeepSpeed
     wrap them); each gradient they get is mirrored into its DTensor's ``.grad``."""
     for dt in model.parameters():
-        if not isinstance(dt, DTensor) or dt._oslo_plain_leaf:
+        if not isinstance(dt, DTensor) or not hasattr(dt, "_oslo_storage"):
             continue
         storage = dt._oslo_storage
-        if dt.grad is not None and storage.grad is None:
-            storage.grad = _storage_gradient(dt)
-        storage.requires_grad_(dt.requires_grad)
-        if not getattr(storage, "_oslo_mirrors", False):
+        if not dt._oslo_plain_leaf:
+            if dt.grad is not None and storage.grad is None:
+                storage.grad = _storage_gradient(dt)
+            storage.requires_grad_(dt.requires_grad)
+            dt._oslo_plain_leaf = True
+            _mirror_gradient(storage)
+        # a frozen weight (fine-tuning, an adapter's base) gets no gradient to mirror; one unfrozen since is
+        # mirrored from the next call on (model.gpu_modules() again)
+        if storage.requires_grad and not getattr(storage, "_oslo_mirrors", False):
             storage.register_post_accumulate_grad_hook(_mirror_gradient)
             storage._oslo_mirrors = True
-        dt._oslo_plain_leaf = True
-        _mirror_gradient(storage)
     model._oslo_plain_leaves = True
 
 

@@ -114,3 +114,60 @@ def _zero2_with_pipelines(rank, world_size, path):
 def test_zero2_with_pipelines_is_refused(checkpoint):
     for message in run_distributed(_zero2_with_pipelines, 2, checkpoint, timeout=50):
         assert message is not None and "ZeRO stage 2" in message and "stage 0 or 1" in message, message
+
+
+def _lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], init_lora_weights=False)
+
+
+def _peft_reference(rank, world_size, path):
+    import peft
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model, _lora_config())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, eps=EPS, weight_decay=0.0)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        model(**global_batch(step)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, MAX_NORM)
+        optimizer.step()
+    return peft.get_peft_model_state_dict(model)
+
+
+def _peft_deepspeed_steps(rank, world_size, path, tp, stage):
+    import peft
+
+    _without_shm_kernel()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, _lora_config())
+    mpu = model.mpu
+    rows = ROWS // mpu.get_data_parallel_world_size()
+    engine, _, _, _ = deepspeed.initialize(
+        model=adapted.gpu_modules(), model_parameters=[p for p in adapted.gpu_parameters() if p.requires_grad],
+        mpu=mpu, config=ds_config(stage, rows))
+    start = mpu.get_data_parallel_rank() * rows
+    for step in range(STEPS):
+        batch = {name: value[start:start + rows] for name, value in global_batch(step).items()}
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in peft.get_peft_model_state_dict(adapted).items()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("tp, processes, stage", [(2, 4, 1), (1, 2, 2)], ids=["tp2-dp2-zero1", "dp2-zero2"])
+def test_a_peft_adapter_trains_under_deepspeed_as_in_one_process(checkpoint, tp, processes, stage):
+    """A LoRA adapter (the base model frozen) under DeepSpeed as the manual writes it: the frozen weights take no
+    gradient hooks (registering one on a tensor that takes no gradient raised), and the trained adapter is the one
+    one process trains on the global batch."""
+    pytest.importorskip("peft")
+    expected, = run_distributed(_peft_reference, 1, checkpoint, timeout=100)
+    for state in run_distributed(_peft_deepspeed_steps, processes, checkpoint, tp, stage, timeout=180):
+        assert sorted(state) == sorted(expected)
+        for name, value in state.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")
