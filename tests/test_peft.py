@@ -335,6 +335,11 @@ IA3_TARGETS = {
 }
 
 
+def _reference(method, case, directory, **options):
+    """PEFT's adapter of ``method`` (``"lora"``, ``"ia3"``) for ``case``: see :func:`_reference_adapter`."""
+    return (_reference_adapter if method == "lora" else _reference_ia3)(case, directory, **options)
+
+
 def _reference_ia3(case, directory, **options):
     """As :func:`_reference_adapter`, for PEFT's (IA)^3: its vectors (ones at init) moved off one, each entry by a
     different factor, so that every entry shows in the outputs."""
@@ -795,10 +800,7 @@ def test_an_adapter_loaded_with_low_cpu_mem_usage_equals_peft_on_transformers(la
     the loaded tensors: each rank's slices become the adapter's storages (at tp=2 LoRA's stayed empty: wrong
     outputs, silently); outputs, gradients, a step, saving and merging as PEFT on transformers."""
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    if method == "lora":
-        _reference_adapter(case, tmp_path)
-    else:
-        _reference_ia3(case, tmp_path)
+    _reference(method, case, tmp_path)
     tp, pp, processes = LAYOUTS[layout]
     assert run_distributed(_split_equals_peft, processes, case.name, str(tmp_path), tp, pp, low_cpu_mem_usage=True,
                            timeout=120) == [True] * processes
@@ -832,10 +834,7 @@ def test_add_weighted_adapter_at_tp2(method, combination_type, tmp_path):
     rank) and (IA)^3's weighted sum as PEFT on transformers; LoRA's other types combine whole matrices (the default,
     "svd", of their product) and refuse on every rank (they were wrong, silently for "svd")."""
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    if method == "lora":
-        _reference_adapter(case, tmp_path)
-    else:
-        _reference_ia3(case, tmp_path)
+    _reference(method, case, tmp_path)
     said = run_distributed(_weighted, 2, str(tmp_path), method, combination_type, timeout=120)
     if combination_type in (None, "cat"):
         assert said == [True, True]
@@ -913,10 +912,7 @@ def test_an_adapter_of_a_bfloat16_model_trains_in_float32(layout, method, tmp_pa
     every call raised "got mixed torch.Tensor and DTensor"). Outputs as PEFT on transformers in bfloat16, merging,
     float32 gradients."""
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    if method == "lora":
-        _reference_adapter(case, tmp_path)
-    else:
-        _reference_ia3(case, tmp_path)
+    _reference(method, case, tmp_path)
     tp, pp, processes = LAYOUTS[layout]
     assert run_distributed(_half_precision, processes, case.name, str(tmp_path), method, tp, pp,
                            timeout=120) == [True] * processes

@@ -86,14 +86,10 @@ class _KeepsDTensors:
     def upcast(self, names=None) -> None:
         """PEFT's ``autocast_adapter_dtype``: the half-precision parameters ``names`` (all: ``None``) in float32,
         still DTensors on their storages (PEFT's own cast replaces a parameter with a new one)."""
-        plain_leaves = undistribute_parameters(self)
-        try:
-            for name, param in list(self._parameters.items()):
-                if param is not None and (names is None or name in names) and param.dtype in _UPCAST:
-                    self._parameters[name] = torch.nn.Parameter(param.detach().float(),
-                                                                requires_grad=param.requires_grad)
-        finally:
-            distribute_parameters(self, self._oslo_context, plain_leaves=plain_leaves)
+        parts = {name: _stored(param).float() for name, param in self._parameters.items()
+                 if param is not None and (names is None or name in names) and param.dtype in _UPCAST}
+        if parts:
+            self.assign(parts)
 
 
 _UPCAST = (torch.float16, torch.bfloat16)  # what PEFT's autocast_adapter_dtype takes to float32
