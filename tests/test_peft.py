@@ -336,8 +336,49 @@ IA3_TARGETS = {
 
 
 def _reference(method, case, directory, **options):
-    """PEFT's adapter of ``method`` (``"lora"``, ``"ia3"``) for ``case``: see :func:`_reference_adapter`."""
+    """PEFT's adapter of ``method`` (``"lora"``, ``"ia3"``, ``"loha"``, ``"lokr"``) for ``case``: see
+    :func:`_reference_adapter`."""
+    if method in LYCORIS:
+        return _reference_lycoris(method, case, directory, **options)
     return (_reference_adapter if method == "lora" else _reference_ia3)(case, directory, **options)
+
+
+# LoHa and LoKr (the LyCORIS methods): PEFT supports nn.Linear (not transformers' Conv1D: not GPT2).
+LYCORIS = {"loha": lambda **options: peft.LoHaConfig(r=4, alpha=8, init_weights=False, **options),
+           "lokr": lambda **options: peft.LoKrConfig(r=4, alpha=8, init_weights=False, decompose_both=True, **options)}
+LYCORIS_LAYOUTS = {  # LoKr shares LoHa's code on oslo's side (PEFT's formulas differ): fewer layouts
+    "loha": {"LlamaForCausalLM": ["one-process", "tp2", "pp2", "tp2-pp2", "tp2-sequence-parallel", "tp1-dp2",
+                                  "tp4-replicated-key-value-heads", "tp2-low-cpu-mem-usage"],
+             "BertForSequenceClassification": ["one-process", "tp2", "tp2-sequence-parallel"],
+             "T5ForConditionalGeneration": ["tp2"], "GPTNeoForCausalLM": ["tp2"]},
+    "lokr": {"LlamaForCausalLM": ["one-process", "tp2", "tp2-pp2"],
+             "BertForSequenceClassification": ["one-process", "tp2-sequence-parallel"]}}
+
+
+def _reference_lycoris(method, case, directory, **options):
+    """PEFT's ``method`` adapter (random factors: every one shows in the outputs) of ``case``'s transformers model,
+    the targets LoRA's (the classifier of BERT's, trained whole)."""
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(directory / "base")
+    torch.manual_seed(1)
+    config = LYCORIS[method](**{**TARGETS[case.name], **options})
+    peft.get_peft_model(reference, config).save_pretrained(directory / "theirs")
+
+
+@pytest.mark.parametrize("method, name, layout", [(method, name, layout) for method, names in LYCORIS_LAYOUTS.items()
+                                                  for name, layouts in names.items() for layout in layouts])
+def test_loha_and_lokr_equal_peft_on_transformers(method, name, layout, tmp_path):
+    """PEFT's LoHa and LoKr on oslo's layers, PEFT's own classes in one process: outputs, every factor's gradient, a
+    step, the saved adapter on transformers, merge, unmerge and merge_and_unload, as PEFT on transformers. With
+    several processes each rank computes the whole update from the whole factors and keeps its layer's slice; the
+    factors' gradients are summed over the group."""
+    case = next(c for c in CASES if c.name == name)
+    _reference_lycoris(method, case, tmp_path)
+    tp, pp, processes, *options = {"one-process": (1, 1, 1), "tp4-replicated-key-value-heads": (4, 1, 4),
+                                   "tp2-low-cpu-mem-usage": (2, 1, 2, {"low_cpu_mem_usage": True}), **LAYOUTS}[layout]
+    assert run_distributed(_split_equals_peft, processes, name, str(tmp_path), tp, pp, timeout=300,
+                           **(options[0] if options else {})) == [True] * processes
 
 
 def _reference_ia3(case, directory, **options):
@@ -585,11 +626,11 @@ def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size, pipeline_p
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    base = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=tensor_parallel_size,
-                                                                pipeline_parallel_size=pipeline_parallel_size)
-    config = _lora_config(case) if method == "lora" else peft.IA3Config(init_ia3_weights=False,  # random vectors
-                                                                          **IA3_TARGETS[case.name])
+    case = next(c for c in CASES if c.name == _NEW_ADAPTER_MODEL[method])
+    base = getattr(oslo, case.name).from_pretrained_with_parallel(
+        f"{tmp}/base", tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    config = (_lora_config(case) if method == "lora" else LYCORIS[method](**TARGETS[case.name]) if method in LYCORIS
+              else peft.IA3Config(init_ia3_weights=False, **IA3_TARGETS[case.name]))  # random: every entry shows
     torch.manual_seed(rank)  # the ranks' own generators differ: each takes its stage's first rank's draw
     ours = peft.get_peft_model(base, copy.deepcopy(config))
     state = torch.get_rng_state()
@@ -597,11 +638,11 @@ def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size, pipeline_p
         adapted = ours(**case.batch())
         ours.save_pretrained(f"{tmp}/new", is_main_process=rank == 0)
         dist.barrier()
-        theirs = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
+        theirs = peft.PeftModel.from_pretrained(getattr(transformers, case.name).from_pretrained(f"{tmp}/base"),
                                                 f"{tmp}/new")
         compare_outputs(adapted, theirs(**case.batch()), "a new adapter at tp=2, saved, on transformers")
     # the adapter one process draws after the same seed
-    reference = transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base")
+    reference = getattr(transformers, case.name).from_pretrained(f"{tmp}/base")
     torch.manual_seed(0)
     expected = peft.get_peft_model_state_dict(peft.get_peft_model(reference, copy.deepcopy(config)))
     saved = load_file(f"{tmp}/new/adapter_model.safetensors")
@@ -615,9 +656,14 @@ def _new_adapter(rank, world_size, tmp, method, tensor_parallel_size, pipeline_p
     return True
 
 
+_NEW_ADAPTER_MODEL = {"lora": "GPT2LMHeadModel", "ia3": "GPT2LMHeadModel", "loha": "LlamaForCausalLM",
+                      "lokr": "LlamaForCausalLM"}  # (LoHa and LoKr do not take GPT2's Conv1D layout)
+
+
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2", "pp2", "tp2-pp2"])
-@pytest.mark.parametrize("method", ["lora", "ia3"])
+@pytest.mark.parametrize("method, layout", [(method, layout) for method in ("lora", "ia3")
+                                            for layout in ("tp2", "tp2-dp2", "pp2", "tp2-pp2")]
+                         + [("loha", "tp2-dp2"), ("loha", "tp2-pp2"), ("lokr", "tp2-pp2")])
 def test_new_adapter_is_the_one_process_draw(tmp_path, method, layout):
     """``get_peft_model`` with several processes draws the whole matrices from torch's generator, as PEFT does in one
     process, and every rank takes its stage's first rank's (the ranks' generators differ here); with pipelines the
@@ -625,8 +671,8 @@ def test_new_adapter_is_the_one_process_draw(tmp_path, method, layout):
     adapter, the one a process draws after the same ``torch.manual_seed`` (so a layout does not change what a
     seeded script trains), the generator is left as one process leaves it, and what the split forward computes is
     what transformers computes with the saved file."""
-    transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
-        tmp_path / "base")
+    case = next(c for c in CASES if c.name == _NEW_ADAPTER_MODEL[method])
+    getattr(transformers, case.name)(case.config()).save_pretrained(tmp_path / "base")
     tp, pp, processes = {"tp2": (2, 1, 2), "tp2-dp2": (2, 1, 4), "pp2": (1, 2, 2), "tp2-pp2": (2, 2, 4)}[layout]
     assert run_distributed(_new_adapter, processes, str(tmp_path), method, tp, pp) == [True] * processes
 
@@ -737,6 +783,29 @@ def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target
         tmp_path / "base")
     for said in run_distributed(_refusal, 2, str(tmp_path), target, options):
         assert said is not None and message in said
+
+
+def _lycoris_refusal(rank, world_size, tmp, name, options):
+    model = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/{name}", tensor_parallel_size=world_size)
+    try:
+        peft.get_peft_model(model, LYCORIS["loha"](**{**TARGETS[name], **options}))
+    except (NotImplementedError, TypeError, RankFailedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("name, options, processes, message", [
+    # as PEFT refuses transformers' Conv1D
+    ("GPT2LMHeadModel", {}, 1, "TypeError: Target module ColumnParallelLinear stores its weight as (in_features, "),
+    ("GPT2LMHeadModel", {}, 2, "TypeError: Target module ColumnParallelLinear stores its weight as (in_features, "),
+    ("LlamaForCausalLM", dict(rank_dropout=0.1), 2, "NotImplementedError: LoHa's rank_dropout (0.1) and "
+                                                    "module_dropout (0.0) on an oslo model of several processes"),
+], ids=["gpt2-one-process", "gpt2-tp2", "rank-dropout-tp2"])
+def test_loha_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, name, options, processes, message):
+    case = next(c for c in CASES if c.name == name)
+    getattr(transformers, name)(case.config()).save_pretrained(tmp_path / name)
+    for said in run_distributed(_lycoris_refusal, processes, str(tmp_path), name, options):
+        assert said is not None and said.startswith(message), said
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
@@ -904,32 +973,38 @@ def _half_precision(rank, world_size, name, tmp, method, tensor_parallel_size, p
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning", "ignore:Unmerge result can be inaccurate")
-@pytest.mark.parametrize("method", ["lora", "ia3"])
-@pytest.mark.parametrize("layout", ["tp2", "tp2-pp2"])
-def test_an_adapter_of_a_bfloat16_model_trains_in_float32(layout, method, tmp_path):
+@pytest.mark.parametrize("method, name, layout", [(method, "GPT2LMHeadModel", layout) for method in ("lora", "ia3")
+                                                  for layout in ("tp2", "tp2-pp2")]
+                         + [("loha", "LlamaForCausalLM", "tp2-pp2")])
+def test_an_adapter_of_a_bfloat16_model_trains_in_float32(method, name, layout, tmp_path):
     """PEFT keeps the adapter of a half-precision model in float32 (``autocast_adapter_dtype``) by replacing its
     parameters; an oslo adapter's DTensors are converted on their storages instead (PEFT's replacement lost them:
     every call raised "got mixed torch.Tensor and DTensor"). Outputs as PEFT on transformers in bfloat16, merging,
     float32 gradients."""
-    case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
+    case = next(c for c in CASES if c.name == name)
     _reference(method, case, tmp_path)
     tp, pp, processes = LAYOUTS[layout]
     assert run_distributed(_half_precision, processes, case.name, str(tmp_path), method, tp, pp,
                            timeout=120) == [True] * processes
 
 
-def _ddp_trained(rank, world_size, path, tensor_parallel_size):
+DDP_ADAPTERS = {"lora": ("GPT2LMHeadModel", lambda: peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
+                                                                     init_lora_weights=False)),
+                "loha": ("LlamaForCausalLM", lambda: LYCORIS["loha"](target_modules=["q_proj", "o_proj", "down_proj"]))}
+
+
+def _ddp_trained(rank, world_size, path, tensor_parallel_size, method):
     from torch.nn.parallel import DistributedDataParallel
 
     from tests.scripts.train_dp import LR, ROWS, STEPS, global_batch
 
+    name, config = DDP_ADAPTERS[method]
     if tensor_parallel_size == 0:  # the reference: transformers' model in one process, on the global batch
-        model = transformers.GPT2LMHeadModel.from_pretrained(path)
+        model = getattr(transformers, name).from_pretrained(path)
     else:
-        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tensor_parallel_size)
+        model = getattr(oslo, name).from_pretrained_with_parallel(path, tensor_parallel_size=tensor_parallel_size)
     torch.manual_seed(0)
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
-                                                         init_lora_weights=False)).train()
+    adapted = peft.get_peft_model(model, config()).train()
     call, rows, start = adapted, ROWS, 0
     if tensor_parallel_size:  # the manual's data-parallel loop, each replica on its rows
         mpu = model.mpu
@@ -947,15 +1022,21 @@ def _ddp_trained(rank, world_size, path, tensor_parallel_size):
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-def test_an_adapter_trains_under_ddp_as_in_one_process(tmp_path):
+@pytest.mark.parametrize("method", list(DDP_ADAPTERS))
+def test_an_adapter_trains_under_ddp_as_in_one_process(tmp_path, method):
     """The manual's data-parallel loop (``DistributedDataParallel(model.gpu_modules(), ...)``) on a PEFT model at
     tp=2 with two replicas, each on its rows: the frozen base weights take no gradient hooks (registering one
     raised), and the trained adapter is the one one process trains on the global batch."""
     from tests.helpers import save_reference, tiny_gpt2_config
 
-    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), tmp_path)
-    expected, = run_distributed(_ddp_trained, 1, str(tmp_path), 0, timeout=60)
-    for state in run_distributed(_ddp_trained, 4, str(tmp_path), 2, timeout=120):
+    if method == "lora":
+        save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), tmp_path)
+    else:  # the same vocabulary (the batches' ids)
+        save_reference(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0), tmp_path)
+    expected, = run_distributed(_ddp_trained, 1, str(tmp_path), 0, method, timeout=60)
+    for state in run_distributed(_ddp_trained, 4, str(tmp_path), 2, method, timeout=120):
         assert sorted(state) == sorted(expected)
         for name, value in state.items():
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")

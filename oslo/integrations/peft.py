@@ -1,4 +1,4 @@
-"""PEFT's LoRA and (IA)^3 on oslo's linear layers (and AdaLoRA in one process).
+"""PEFT's LoRA, (IA)^3, LoHa and LoKr on oslo's linear layers (and AdaLoRA in one process).
 
 PEFT builds its LoRA wrappers for ``nn.Linear`` and transformers' ``Conv1D``; oslo's layers are
 :class:`~oslo.parallel.ColumnParallelLinear` and :class:`~oslo.parallel.RowParallelLinear` (GPT2's with
@@ -15,7 +15,9 @@ replicated ones. There the class computes the adapter itself: plain LoRA, rsLoRA
 magnitude split like the output features) and PEFT's mixed batches (``adapter_names=``); other variants refuse.
 With pipelines each stage wraps the layers it holds, and the saved adapter gathers every stage's.
 :class:`ParallelIA3Linear` does the same for PEFT's ``IA3Model``: PEFT's own ``ia3.Linear`` in one process, vectors
-split like the features they scale with several processes.
+split like the features they scale with several processes. LoHa's and LoKr's layers (see :func:`_make_lycoris_class`)
+are PEFT's own in one process; with several processes their factors are whole on every rank, and each rank runs the
+input through its layer's slice of the whole update.
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
 ``LoraModel._create_new_module`` and ``IA3Model``'s (oslo's layers first), their ``inject_adapter`` (the layers
@@ -58,6 +60,7 @@ __all__ = ["ParallelIA3Linear", "ParallelLoraLinear", "install"]
 ParallelLoraLinear = None  # the class, once PEFT is imported (see install)
 ParallelIA3Linear = None  # the same for (IA)^3
 _AdaLoraOnOsloLinear = None  # and AdaLoRA's, in one process
+_LYCORIS: dict[str, type] = {}  # LoHa's and LoKr's: "loha", "lokr" -> the class
 
 
 class _KeepsDTensors:
@@ -194,13 +197,13 @@ class _OnOsloLayer:
 
     def _oslo_adopt(self, base_layer, config):
         """Before PEFT's constructor: learn the model's parallel context (``None`` in one process) and set the
-        config's ``fan_in_fan_out`` from the layer's layout, as PEFT sets it for ``Conv1D`` and ``nn.Linear`` (with
-        the same warning). Returns the oslo layer under ``base_layer``."""
+        config's ``fan_in_fan_out`` (of the methods that have one) from the layer's layout, as PEFT sets it for
+        ``Conv1D`` and ``nn.Linear`` (with the same warning). Returns the oslo layer under ``base_layer``."""
         base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
         context = _context_of(base)
         self._oslo_context = context if context is not None and context.world_size > 1 else None
         transposed = bool(getattr(base, "transposed", False))
-        if transposed != bool(config.fan_in_fan_out):
+        if hasattr(config, "fan_in_fan_out") and transposed != bool(config.fan_in_fan_out):
             layout = ("(in_features, out_features), as transformers' Conv1D" if transposed
                       else "(out_features, in_features), as torch.nn.Linear")
             warnings.warn(f"fan_in_fan_out is set to {bool(config.fan_in_fan_out)} but the target module "
@@ -216,7 +219,7 @@ class _OnOsloLayer:
         if safe_merge:
             broken = torch.tensor([float(not torch.isfinite(merged).all() or (
                 new_bias is not None and not torch.isfinite(new_bias).all()))], device=weight.device)
-            if self._oslo_kind != "replicated":
+            if self._oslo_context is not None and self._oslo_kind != "replicated":
                 torch.distributed.all_reduce(broken, op=torch.distributed.ReduceOp.MAX,
                                              group=self.get_base_layer().group)
             if broken.item():
@@ -268,6 +271,13 @@ class _OnOsloLayer:
         if tensor is None or not self._oslo_read_in_part:
             return tensor
         return copy_to_tensor_parallel(tensor, self._oslo_context.tensor_parallel_group)
+
+    def _oslo_disabled(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The call with the adapters disabled (``disable_adapter()``): the merged ones taken out of the weight, the
+        base layer's output."""
+        if self.merged:
+            self.unmerge()
+        return self._oslo_base(x, *args, **kwargs)
 
     def _oslo_base(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not self._oslo_read_in_part:
@@ -488,9 +498,7 @@ def _make_class():
             self._check_forward_args(x, *args, **kwargs)
             adapter_names = kwargs.pop("adapter_names", None)
             if self.disable_adapters:
-                if self.merged:
-                    self.unmerge()
-                return self._oslo_base(x, *args, **kwargs)
+                return self._oslo_disabled(x, *args, **kwargs)
             result = self._oslo_base(x, *args, **kwargs)
             if self.merged:
                 return result
@@ -726,9 +734,7 @@ def _make_ia3_class():
             if self._oslo_context is None:
                 return super().forward(x, *args, **kwargs)
             if self.disable_adapters:
-                if self.merged:
-                    self.unmerge()
-                return self._oslo_base(x, *args, **kwargs)
+                return self._oslo_disabled(x, *args, **kwargs)
             names = [name for name in self.active_adapters if name in self.ia3_l]
             if self.merged or not names:
                 return self._oslo_base(x, *args, **kwargs)
@@ -795,6 +801,185 @@ def _make_ia3_class():
 
     ParallelIA3Linear.__module__, ParallelIA3Linear.__qualname__ = __name__, "ParallelIA3Linear"
     return ParallelIA3Linear
+
+
+def _make_lycoris_class(method: str):
+    """PEFT's LyCORIS ``Linear`` of ``method`` (``"loha"``, ``"lokr"``) adapted to oslo's linear layers."""
+    from contextlib import contextmanager, nullcontext
+
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+
+    peft_linear = importlib.import_module(f"peft.tuners.{method}.layer").Linear
+    title = {"loha": "LoHa", "lokr": "LoKr"}[method]
+
+    class ParallelLycorisLinear(_OnOsloLayer, peft_linear):
+        """PEFT's ``{method}.Linear`` around an oslo linear layer: the adapter is a weight update ``delta`` (LoHa's
+        Hadamard product of two low-rank products, LoKr's Kronecker product) that PEFT computes whole from small
+        factors. In one process it is PEFT's class as it is, the layer seen as the ``nn.Linear`` it computes. With
+        several processes every factor is whole on every rank (a replicated DTensor); each rank computes the whole
+        ``delta``, keeps the slice its layer holds, and runs the input through that slice as the layer runs it
+        through its weight (one more collective per adapted layer each way: the layer's own, for the update's
+        part); the factors' gradients, each rank's from its slice, are summed over the group.
+
+        A layer that stores its weight as ``(in, out)`` (GPT2's, transformers' ``Conv1D``) is refused, as PEFT
+        refuses ``Conv1D``; so are ``rank_dropout`` and ``module_dropout`` with several processes (each rank would
+        draw its own)."""
+
+        def __init__(self, base_layer, adapter_name: str, config, **kwargs) -> None:
+            base = self._oslo_adopt(base_layer, config)
+            if getattr(base, "transposed", False):
+                raise TypeError(
+                    f"Target module {type(base).__name__} stores its weight as (in_features, out_features), as "
+                    f"transformers' Conv1D, which PEFT's {title} does not support (nor on the transformers model): "
+                    "use LoRA or (IA)^3 there.")
+            # PEFT's constructor reads the layer's features and weight shape from an nn.Linear: it is shown one of
+            # the whole layer's shape, on the meta device (not a submodule), until the adapter exists.
+            self.__dict__["_oslo_stand_in"] = torch.nn.Linear(base.in_features, base.out_features, bias=False,
+                                                              device="meta")
+            with self._oslo_standing_in():
+                super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
+        @contextmanager
+        def _oslo_standing_in(self, standing: bool = True):
+            previous = self.__dict__.get("_oslo_standing", False)
+            self.__dict__["_oslo_standing"] = standing
+            try:
+                yield
+            finally:
+                self.__dict__["_oslo_standing"] = previous
+
+        def get_base_layer(self):
+            if self.__dict__.get("_oslo_standing", False):
+                return self.__dict__["_oslo_stand_in"]
+            return super().get_base_layer()
+
+        def _move_adapter_to_device_of_base_layer(self, *args, **kwargs):
+            with self._oslo_standing_in(False):
+                return super()._move_adapter_to_device_of_base_layer(*args, **kwargs)
+
+        def update_layer(self, adapter_name, r, alpha, config, **kwargs):
+            context = self._oslo_context
+            if context is not None and (config.rank_dropout or config.module_dropout):
+                raise NotImplementedError(
+                    f"{title}'s rank_dropout ({config.rank_dropout}) and module_dropout ({config.module_dropout}) on "
+                    f"an oslo model of several processes are not implemented yet (each rank would draw its own): set "
+                    "them to 0, or adapt the model in one process.")
+            with self._oslo_standing_in():
+                super().update_layer(adapter_name, r, alpha, config, **kwargs)
+            if context is None:
+                return
+            # PEFT drew the whole factors from torch's generator, as in one process: every rank takes its stage's
+            # first rank's, then holds them as replicated DTensors.
+            names = [name for name in self.adapter_layer_names if adapter_name in getattr(self, name)]
+            self._oslo_take_first_ranks([getattr(self, name)[adapter_name] for name in names])
+            for name in names:
+                factors = getattr(self, name)
+                if not isinstance(factors, _Vectors):
+                    whole = _Vectors(context)
+                    for key, value in factors.items():
+                        whole[key] = value
+                    setattr(self, name, whole)
+                    factors = whole
+                distribute_parameters(factors, context)
+
+        @contextmanager
+        def _oslo_factors(self, adapter: str):
+            """With several processes: adapter ``adapter``'s factors, while PEFT computes with them, as the tensors to
+            compute on (their gradients summed over the group where each rank computes from part of the layer)."""
+            split = self._oslo_kind != "replicated"
+            swapped = []
+            for name in self.adapter_layer_names:
+                factors = getattr(self, name)
+                value = factors._parameters.get(adapter) if isinstance(factors, _Vectors) else None
+                if isinstance(value, DTensor):
+                    view = local(value)
+                    factors._parameters[adapter] = (copy_to_tensor_parallel(view, self.get_base_layer().group)
+                                                    if split else self._oslo_whole(view))
+                    swapped.append((factors, value))
+            try:
+                yield
+            finally:
+                for factors, value in swapped:
+                    factors._parameters[adapter] = value
+
+        def get_delta_weight(self, adapter_name: str, **kwargs) -> torch.Tensor:
+            """The whole ``(out, in)`` update, as in one process (computed on every rank)."""
+            factors = nullcontext() if self._oslo_context is None else self._oslo_factors(adapter_name)
+            with factors, self._oslo_standing_in():  # (the factors read the layer: entered first)
+                return super().get_delta_weight(adapter_name, **kwargs)
+
+        def _oslo_part(self, whole: torch.Tensor) -> torch.Tensor:
+            """This rank's part of the whole ``(out, in)`` update ``whole``: the slice the layer holds."""
+            base = self.get_base_layer()
+            spec = getattr(base, "parallel_specs", {}).get("weight") if self._oslo_context is not None else None
+            return _slice(whole, spec)
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if self._oslo_context is None:
+                return super().forward(x, *args, **kwargs)
+            if self.disable_adapters:
+                return self._oslo_disabled(x, *args, **kwargs)
+            result = self._oslo_base(x, *args, **kwargs)
+            names = [name for name in self.active_adapters if name in self._available_adapters]
+            if self.merged or not names:
+                return result
+            delta = sum(self._oslo_part(self.get_delta_weight(name)) for name in names)
+            return (result + self._oslo_through(x, delta, kwargs)).to(x.dtype)
+
+        def _oslo_through(self, x: torch.Tensor, weight: torch.Tensor, kwargs) -> torch.Tensor:
+            """``x`` through ``weight`` (this rank's part of an ``(out, in)`` update, no bias) as the layer runs its
+            input through its own weight: the same collectives, so that the result is in the layer's output layout
+            and every gradient is the unsplit layer's."""
+            base, kind = self.get_base_layer(), self._oslo_kind
+            h = self._cast_input_dtype(x, weight.dtype)
+            if kind == "replicated":
+                return torch.nn.functional.linear(h, weight)
+            group, sequence = base.group, base.sequence
+            on_shards = sequence is not None and sequence.active
+            if kind == COLUMN:
+                if kwargs.get("input_is_copied", False):
+                    pass  # x's gradient is summed over the group by the caller
+                elif on_shards:
+                    h = gather_sequence(h, group, sequence.dim)
+                else:
+                    h = copy_to_tensor_parallel(h, group)
+                out = torch.nn.functional.linear(h, weight)
+                if base.gather_output:
+                    out = gather_from_tensor_parallel(out, group, dim=-1)[..., : self.out_features]
+                return out
+            if not base.input_is_parallel:
+                h = scatter_to_tensor_parallel(h, group, dim=-1)
+            out = torch.nn.functional.linear(h, weight)
+            return (reduce_scatter_sequence(out, group, sequence.dim) if on_shards
+                    else reduce_from_tensor_parallel(out, group))
+
+        def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+            adapter_names = check_adapters_to_merge(self, adapter_names)
+            weight = _stored(self.get_base_layer().weight)
+            for name in adapter_names:
+                if name not in self._available_adapters:
+                    continue
+                with torch.no_grad():
+                    merged = weight + self._oslo_part(self.get_delta_weight(name)).to(weight.dtype)
+                    self._oslo_write_merged(name, safe_merge, weight, merged, None, None)
+                self.merged_adapters.append(name)
+
+        def unmerge(self) -> None:
+            if not self.merged:
+                warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+                return
+            weight = _stored(self.get_base_layer().weight)
+            while self.merged_adapters:
+                name = self.merged_adapters.pop()
+                if name in self._available_adapters:
+                    with torch.no_grad():
+                        weight.sub_(self._oslo_part(self.get_delta_weight(name)).to(weight.dtype))
+
+    name = f"Parallel{title}Linear"
+    ParallelLycorisLinear.__name__ = ParallelLycorisLinear.__qualname__ = name
+    ParallelLycorisLinear.__module__ = __name__
+    ParallelLycorisLinear.__doc__ = ParallelLycorisLinear.__doc__.replace("{method}", method)
+    return ParallelLycorisLinear
 
 
 def _check_layout(model) -> None:
@@ -896,6 +1081,15 @@ def _adalora_module(target, adapter_name, config, device_map=None, **kwargs):
     return _AdaLoraOnOsloLinear(target, adapter_name, config=config, r=kwargs["r"], lora_alpha=kwargs["lora_alpha"])
 
 
+def _lycoris_module(method: str):
+    """PEFT's dispatcher for LoHa or LoKr (``method``): their module for an oslo linear layer, else ``None``."""
+
+    def module_for(target, adapter_name, config, **kwargs):
+        return _LYCORIS[method](target, adapter_name, config=config, **kwargs) if _adapts(target) else None
+
+    return module_for
+
+
 def _in_stage_order(tuner, model, adapter_name: str, inject):
     """Run ``inject`` (PEFT adding adapter ``adapter_name``, which draws new matrices from torch's generator) one
     pipeline stage after the other, each stage continuing the generator where the stage before left it, as one
@@ -990,6 +1184,8 @@ def install() -> bool:
         return False
     from peft.tuners.adalora.model import AdaLoraModel
     from peft.tuners.ia3.model import IA3Model
+    from peft.tuners.loha.model import LoHaModel
+    from peft.tuners.lokr.model import LoKrModel
     from peft.tuners.lora.model import LoraModel
 
     ParallelLoraLinear = _make_class()
@@ -998,6 +1194,9 @@ def install() -> bool:
     _teach(LoraModel, _lora_module)
     _teach(IA3Model, _ia3_module)
     _teach(AdaLoraModel, _adalora_module)
+    for method, tuner in (("loha", LoHaModel), ("lokr", LoKrModel)):
+        _LYCORIS[method] = _make_lycoris_class(method)
+        _teach(tuner, _lycoris_module(method))
     _install_copies_and_saves()
     _installed = True
     return True
@@ -1077,6 +1276,8 @@ def _install_copies_and_saves() -> None:
     # Merging into a layer tied across pipeline stages would change one stage's copy only (transformers' tie is one
     # tensor: PEFT's merge changes the input embeddings too). PEFT asks every rank before any merge.
     from peft.tuners.ia3.model import IA3Model
+    from peft.tuners.loha.model import LoHaModel
+    from peft.tuners.lokr.model import LoKrModel
     from peft.tuners.lora.model import LoraModel
     from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -1193,6 +1394,6 @@ def _install_copies_and_saves() -> None:
 
     peft.peft_model.PeftModel._setup_prompt_encoder = setup_prompt_encoder
 
-    for tuner in (LoraModel, IA3Model):
+    for tuner in (LoraModel, IA3Model, LoHaModel, LoKrModel):
         tuner._check_merge_allowed = refusing_tied_merges(tuner._check_merge_allowed)
 
