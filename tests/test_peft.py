@@ -7,6 +7,7 @@ what is not implemented with several processes refuses with a clear error on eve
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -875,15 +876,19 @@ def test_an_adapter_loaded_with_low_cpu_mem_usage_equals_peft_on_transformers(la
                            timeout=120) == [True] * processes
 
 
-def _weighted(rank, world_size, tmp, method, combination_type):
+def _weighted(rank, world_size, tmp, method, combination_type, pipeline_parallel_size):
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
     batch = case.batch()
     outputs = []
     for base in (transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/base"),
-                 oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2)):
+                 oslo.GPT2LMHeadModel.from_pretrained_with_parallel(f"{tmp}/base", tensor_parallel_size=2,
+                                                                    pipeline_parallel_size=pipeline_parallel_size)):
         model = peft.PeftModel.from_pretrained(base, f"{tmp}/theirs", adapter_name="first")
-        model.load_adapter(f"{tmp}/theirs", adapter_name="second")
+        model.load_adapter(f"{tmp}/second", adapter_name="second")
         options = {} if method == "ia3" else dict(combination_type=combination_type)
+        if combination_type and combination_type.startswith(("ties", "dare", "magnitude")):
+            options["density"] = 0.5
+        torch.manual_seed(5)  # the DARE types' random masks: one process's, on the ranks
         try:
             model.add_weighted_adapter(["first", "second"], [0.7, 0.5], "combined", **options)
         except NotImplementedError as exc:
@@ -896,20 +901,33 @@ def _weighted(rank, world_size, tmp, method, combination_type):
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
-@pytest.mark.parametrize("method, combination_type", [("lora", "cat"), ("lora", "svd"), ("lora", "linear"),
-                                                      ("ia3", None)])
-def test_add_weighted_adapter_at_tp2(method, combination_type, tmp_path):
-    """PEFT's ``add_weighted_adapter`` at tp=2: LoRA's concatenation (a split matrix's slices concatenated along the
-    rank) and (IA)^3's weighted sum as PEFT on transformers; LoRA's other types combine whole matrices (the default,
-    "svd", of their product) and refuse on every rank (they were wrong, silently for "svd")."""
+@pytest.mark.parametrize("method, combination_type, pipeline_parallel_size", [
+    ("lora", "cat", 1), ("lora", "svd", 1), ("lora", "linear", 1), ("lora", "ties_svd", 1), ("lora", "dare_linear", 1),
+    ("lora", "svd", 2), ("lora-dora", "svd", 1), ("ia3", None, 1)])
+def test_add_weighted_adapter_at_tp2(method, combination_type, pipeline_parallel_size, tmp_path):
+    """PEFT's ``add_weighted_adapter`` at tp=2 (and 2 × 2) as PEFT on transformers: (IA)^3's weighted sum, and
+    LoRA's types, which PEFT computes on each layer's whole matrices (the default, "svd", on their product; the DARE
+    types with random masks drawn from torch's generator, as one process draws them) before the new adapter is split
+    like its layer (the "svd" type was silently wrong, "linear" crashed). Combining DoRA adapters refuses on every
+    rank."""
     case = next(c for c in CASES if c.name == "GPT2LMHeadModel")
-    _reference(method, case, tmp_path)
-    said = run_distributed(_weighted, 2, str(tmp_path), method, combination_type, timeout=120)
-    if combination_type in (None, "cat"):
-        assert said == [True, True]
+    _reference("ia3" if method == "ia3" else "lora", case, tmp_path, **(dict(use_dora=True) if "dora" in method
+                                                                        else {}))
+    # another second adapter (for "svd": a sum of rank 8, truncated to rank 4)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tmp_path / "theirs", tmp_path / "second")
+    tensors = load_file(tmp_path / "theirs" / "adapter_model.safetensors")
+    save_file({name: value * torch.linspace(-1.5, 1.5, value.numel()).view(value.shape)
+               for name, value in tensors.items()}, tmp_path / "second" / "adapter_model.safetensors")
+    processes = 2 * pipeline_parallel_size
+    said = run_distributed(_weighted, processes, str(tmp_path), method, combination_type, pipeline_parallel_size,
+                           timeout=120)
+    if method != "lora-dora":
+        assert said == [True] * processes
         return
     for message in said:
-        assert message.startswith(f"add_weighted_adapter(combination_type={combination_type!r}) on an oslo model of "
+        assert message.startswith("add_weighted_adapter of DoRA adapters (first, second) on an oslo model of "
                                   "several processes is not implemented yet"), said
 
 

@@ -35,6 +35,8 @@ import importlib.util
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -348,6 +350,23 @@ def _make_class():
             # PEFT draws the whole matrices from torch's generator, as in one process; every rank takes its stage's
             # first rank's (the draw of one process, seeded alike, on the first stage).
             super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+            spec_b = self._oslo_split(adapter_name)
+            if config.use_dora:
+                # DoRA's magnitude: the norm of each output row of W + scaling * B @ A, split like the output features
+                with torch.no_grad():
+                    norm = self._oslo_weight_norm(self._oslo_rows(_stored(self.get_base_layer().weight)),
+                                                  self._oslo_rows(self.get_delta_weight(adapter_name)))
+                if not self.lora_magnitude_vector:
+                    self.adapter_layer_names = self.adapter_layer_names[:] + ("lora_magnitude_vector",)
+                self.lora_magnitude_vector[adapter_name] = _Shard({"weight": (norm, (self.out_features,), spec_b)},
+                                                                  self._oslo_context)
+                self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+        def _oslo_split(self, adapter_name: str) -> ShardSpec | None:
+            """Make adapter ``adapter_name``'s whole matrices (``nn.Linear`` modules, as PEFT builds them) this
+            layer's :class:`_Shard` DTensors, split like the layer, after every rank took its stage's first rank's
+            values. Returns how ``lora_B`` is split."""
+            context = self._oslo_context
             b = self.lora_B[adapter_name]
             self._oslo_take_first_ranks([self.lora_A[adapter_name].weight, b.weight]
                                         + ([] if b.bias is None else [b.bias]))
@@ -368,16 +387,7 @@ def _make_class():
             if b.bias is not None:
                 parts["bias"] = (b.bias, spec_b)
             self.lora_B[adapter_name] = _Shard.split(context, **parts)
-            if config.use_dora:
-                # DoRA's magnitude: the norm of each output row of W + scaling * B @ A, split like the output features
-                with torch.no_grad():
-                    norm = self._oslo_weight_norm(self._oslo_rows(_stored(self.get_base_layer().weight)),
-                                                  self._oslo_rows(self.get_delta_weight(adapter_name)))
-                if not self.lora_magnitude_vector:
-                    self.adapter_layer_names = self.adapter_layer_names[:] + ("lora_magnitude_vector",)
-                self.lora_magnitude_vector[adapter_name] = _Shard({"weight": (norm, (self.out_features,), spec_b)},
-                                                                  context)
-                self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+            return spec_b
 
         def _oslo_weight_norm(self, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
             """DoRA's ``||W + delta||`` of each output row (this rank's rows), both ``(out, in)`` and ``delta``
@@ -805,8 +815,6 @@ def _make_ia3_class():
 
 def _make_lycoris_class(method: str):
     """PEFT's LyCORIS ``Linear`` of ``method`` (``"loha"``, ``"lokr"``) adapted to oslo's linear layers."""
-    from contextlib import contextmanager, nullcontext
-
     from peft.tuners.tuners_utils import check_adapters_to_merge
 
     peft_linear = importlib.import_module(f"peft.tuners.{method}.layer").Linear
@@ -1079,6 +1087,43 @@ def _adalora_module(target, adapter_name, config, device_map=None, **kwargs):
     if kwargs.get("loaded_in_8bit") or kwargs.get("loaded_in_4bit") or kwargs.get("gptq_quantization_config"):
         raise NotImplementedError("AdaLoRA on a quantized oslo model is not implemented")
     return _AdaLoraOnOsloLinear(target, adapter_name, config=config, r=kwargs["r"], lora_alpha=kwargs["lora_alpha"])
+
+
+def _whole_linear(shard: _Shard) -> torch.nn.Linear:
+    """A LoRA matrix of a model of several processes as PEFT holds it in one process: an ``nn.Linear`` of the whole
+    tensors (gathered over the group: every rank takes part)."""
+    state = shard.state_dict()
+    weight, bias = state["weight"], state.get("bias")
+    linear = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None,
+                                      device=weight.device, dtype=weight.dtype)  # (no draw from the generator)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear.requires_grad_(shard.weight.requires_grad)
+
+
+@contextmanager
+def _combined_whole(layers, adapters) -> Iterator[None]:
+    """While PEFT combines ``adapters`` into a new one (``add_weighted_adapter``): each LoRA layer of ``layers`` (of a
+    model of several processes) computes as in one process, ``adapters``' matrices whole and the new adapter's built
+    whole by PEFT; after, the sources get their split matrices back and every new adapter is split like its layer."""
+    saved = []
+    for layer in layers:
+        kept = {name: (layer.lora_A[name], layer.lora_B[name]) for name in adapters if name in layer.lora_A}
+        for name, (a, b) in kept.items():
+            layer.lora_A[name], layer.lora_B[name] = _whole_linear(a), _whole_linear(b)
+        saved.append((layer, layer._oslo_context, kept, set(layer.lora_A)))
+        layer._oslo_context = None
+    try:
+        yield
+    finally:
+        for layer, context, kept, before in saved:
+            layer._oslo_context = context
+            for name, (a, b) in kept.items():
+                layer.lora_A[name], layer.lora_B[name] = a, b
+            for name in sorted(set(layer.lora_A) - before):
+                layer._oslo_split(name)
 
 
 def _lycoris_module(method: str):
@@ -1356,21 +1401,27 @@ def _install_copies_and_saves() -> None:
 
     TrainableTokensLayer.__init__ = tokens_on_plain_layers
 
-    # LoRA's add_weighted_adapter combines the matrices (and, for the SVD types, their product) as whole tensors:
-    # with several processes only the concatenation, which a split matrix takes slice by slice, is implemented.
+    # LoRA's add_weighted_adapter combines whole matrices (the SVD types their product, the DARE types with random
+    # masks): with several processes PEFT computes on each layer's whole matrices, as in one process, and the new
+    # adapter is then split like its layer (every rank taking its stage's first rank's, as for a new adapter).
     weighted = LoraModel.add_weighted_adapter
 
     @functools.wraps(weighted)
-    def add_weighted_adapter(self, adapters, weights, adapter_name, combination_type="svd", *args, **kwargs):
+    def add_weighted_adapter(self, adapters, weights, adapter_name, *args, **kwargs):
         model = getattr(self, "model", None)
         context = getattr(model, "parallel_context", None)
-        if context is not None and context.world_size > 1 and combination_type != "cat":
+        if context is None or context.world_size == 1:
+            return weighted(self, adapters, weights, adapter_name, *args, **kwargs)
+        dora = [name for name in adapters if getattr(self.peft_config.get(name), "use_dora", False)]
+        if dora:
             raise NotImplementedError(
-                f"add_weighted_adapter(combination_type={combination_type!r}) on an oslo model of several processes "
-                "is not implemented yet (combination_type='cat' is): combine the adapters in one process (load them "
-                "on the model built there, add_weighted_adapter, save_pretrained), then load the result at any "
-                "layout.")
-        return weighted(self, adapters, weights, adapter_name, combination_type, *args, **kwargs)
+                f"add_weighted_adapter of DoRA adapters ({', '.join(dora)}) on an oslo model of several processes is "
+                "not implemented yet: combine them in one process (load them on the model built there, "
+                "add_weighted_adapter, save_pretrained), then load the result at any layout.")
+        layers = [layer for layer in model.modules()
+                  if isinstance(layer, ParallelLoraLinear) and layer._oslo_context is not None]
+        with _combined_whole(layers, adapters):
+            return weighted(self, adapters, weights, adapter_name, *args, **kwargs)
 
     LoraModel.add_weighted_adapter = add_weighted_adapter
 
