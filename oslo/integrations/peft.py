@@ -17,7 +17,8 @@ With pipelines each stage wraps the layers it holds, and the saved adapter gathe
 :class:`ParallelIA3Linear` does the same for PEFT's ``IA3Model``: PEFT's own ``ia3.Linear`` in one process, vectors
 split like the features they scale with several processes. LoHa's and LoKr's layers (see :func:`_make_lycoris_class`)
 are PEFT's own in one process; with several processes their factors are whole on every rank, and each rank runs the
-input through its layer's slice of the whole update.
+input through its layer's slice of the whole update. PEFT's trainable tokens take oslo's vocabulary-split embedding
+and LM head (see :func:`_install_trainable_tokens`).
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
 ``LoraModel._create_new_module`` and ``IA3Model``'s (oslo's layers first), their ``inject_adapter`` (the layers
@@ -191,6 +192,39 @@ def _context_of(layer):
     return None if ref is None else ref()
 
 
+def _take_first_ranks(context, tensors: list[torch.Tensor]) -> None:
+    """Make the whole tensors PEFT just drew (from this rank's torch generator) those of this pipeline stage's first
+    rank, as ``distribute_tensor`` takes rank 0's: one broadcast over the tensor-parallel group, one over the
+    data-parallel group. A model of one stage so gets the adapter one process draws after the same
+    ``torch.manual_seed``, whatever the other ranks' generators hold."""
+    if any(tensor.is_meta for tensor in tensors):  # built empty, to be loaded (PEFT's low_cpu_mem_usage)
+        return
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+    with naming_timeouts(context, "taking a new adapter's initial values from the first rank",
+                         "every rank adds the same adapters to the model (get_peft_model, add_adapter)"):
+        for group, size in ((context.tensor_parallel_group, context.tensor_parallel_size),
+                            (context.data_parallel_group, context.data_parallel_size)):
+            if size > 1:
+                torch.distributed.broadcast(flat, group=group, group_src=0)
+    with torch.no_grad():
+        for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            tensor.copy_(value.view_as(tensor))
+
+
+def _as_vectors(module: torch.nn.Module, attribute: str, context) -> _Vectors:
+    """``module``'s ParameterDict ``attribute`` as a :class:`_Vectors` of DTensors (whole on every rank unless its
+    ``parallel_specs`` say otherwise), its entries distributed."""
+    vectors = getattr(module, attribute)
+    if not isinstance(vectors, _Vectors):
+        converted = _Vectors(context)
+        for key, value in vectors.items():
+            converted[key] = value
+        setattr(module, attribute, converted)
+        vectors = converted
+    distribute_parameters(vectors, context)
+    return vectors
+
+
 class _OnOsloLayer:
     """What PEFT's layers adapted to oslo's linear layers share (:class:`ParallelLoraLinear` and
     :class:`ParallelIA3Linear`): the kind of layer they wrap, its stored layout, and how a replicated layer of which
@@ -231,23 +265,8 @@ class _OnOsloLayer:
             bias.copy_(new_bias)
 
     def _oslo_take_first_ranks(self, tensors: list[torch.Tensor]) -> None:
-        """Make the whole tensors PEFT just drew (from this rank's torch generator) those of this pipeline stage's
-        first rank, as ``distribute_tensor`` takes rank 0's: one broadcast over the tensor-parallel group, one over
-        the data-parallel group. A model of one stage so gets the adapter one process draws after the same
-        ``torch.manual_seed``, whatever the other ranks' generators hold."""
-        context = self._oslo_context
-        if any(tensor.is_meta for tensor in tensors):  # built empty, to be loaded (PEFT's low_cpu_mem_usage)
-            return
-        flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
-        with naming_timeouts(context, "taking a new adapter's initial values from the first rank",
-                             "every rank adds the same adapters to the model (get_peft_model, add_adapter)"):
-            for group, size in ((context.tensor_parallel_group, context.tensor_parallel_size),
-                                (context.data_parallel_group, context.data_parallel_size)):
-                if size > 1:
-                    torch.distributed.broadcast(flat, group=group, group_src=0)
-        with torch.no_grad():
-            for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-                tensor.copy_(value.view_as(tensor))
+        """See :func:`_take_first_ranks`."""
+        _take_first_ranks(self._oslo_context, tensors)
 
     @property
     def _oslo_kind(self) -> str:
@@ -881,14 +900,7 @@ def _make_lycoris_class(method: str):
             names = [name for name in self.adapter_layer_names if adapter_name in getattr(self, name)]
             self._oslo_take_first_ranks([getattr(self, name)[adapter_name] for name in names])
             for name in names:
-                factors = getattr(self, name)
-                if not isinstance(factors, _Vectors):
-                    whole = _Vectors(context)
-                    for key, value in factors.items():
-                        whole[key] = value
-                    setattr(self, name, whole)
-                    factors = whole
-                distribute_parameters(factors, context)
+                _as_vectors(self, name, context)
 
         @contextmanager
         def _oslo_factors(self, adapter: str):
@@ -997,7 +1009,7 @@ def _check_layout(model) -> None:
     if context is None:
         return
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Linear)):
             module._oslo_lora_context = weakref.ref(context)  # (a weak reference: modules_to_save deep-copies modules)
 
 
@@ -1205,6 +1217,16 @@ def _teach(tuner, module_for) -> None:
         @functools.wraps(inject)
         def inject_adapter(self, model, adapter_name, *args, **kwargs):
             _check_layout(model)
+            context = getattr(model, "parallel_context", None)
+            config = self.peft_config.get(adapter_name)
+            if context is not None and context.pipeline_parallel_size > 1 \
+                    and getattr(config, "trainable_token_indices", None) is not None:
+                raise NotImplementedError(
+                    "PEFT's trainable tokens (trainable_token_indices) on an oslo model at pipeline_parallel_size="
+                    f"{context.pipeline_parallel_size} are not implemented yet (the input embeddings and a head tied "
+                    "to them are on different stages): use them at pipeline_parallel_size=1 (any "
+                    "tensor_parallel_size), or train the whole embeddings (modules_to_save=[<the input embeddings' "
+                    "name>]).")
             return _in_stage_order(self, model, adapter_name, lambda: inject(self, model, adapter_name, *args,
                                                                              **kwargs))
 
@@ -1245,6 +1267,154 @@ def install() -> bool:
     _install_copies_and_saves()
     _installed = True
     return True
+
+
+def _vocabulary_layer(layer) -> VocabParallelEmbedding | ColumnParallelLinear | None:
+    """The oslo layer under PEFT's trainable-tokens ``layer`` when it is a vocabulary-split embedding or LM head."""
+    base = layer.get_base_layer()
+    if isinstance(base, VocabParallelEmbedding) or (isinstance(base, ColumnParallelLinear)
+                                                   and base.weight_spec.kind == VOCAB):
+        return base
+    return None
+
+
+def _own_tokens(base, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the token ids ``indices``: which this rank's slice of the vocabulary holds, and their rows in it."""
+    start, stop = base.parallel_specs["weight"].vocab_range()
+    ids = torch.tensor(indices, device=device)
+    mine = (ids >= start) & (ids < stop)
+    return mine, ids[mine] - start
+
+
+def _token_rows(layer, base, names, values_of, like: torch.Tensor) -> torch.Tensor:
+    """``like`` (this rank's stored vocabulary rows) with the rows of each adapter of ``names`` that this rank holds
+    replaced by ``values_of(name)`` (that adapter's whole ``(tokens, dim)`` tensor)."""
+    for name in names:
+        mine, rows = _own_tokens(base, layer.token_indices[name], like.device)
+        like = like.index_copy(0, rows, values_of(name)[mine].to(like))
+    return like
+
+
+def _install_trainable_tokens() -> None:
+    """PEFT's trainable tokens (``trainable_token_indices=[...]``, PEFT's ``TrainableTokensLayer``) on oslo's
+    vocabulary-split embedding and LM head: PEFT's layer computes with ``nn.Embedding``'s and ``nn.Linear``'s
+    functions (on oslo's layers it failed at the first call). The layer here calls oslo's layer with a weight whose
+    trained rows are replaced, as PEFT replaces them. With several processes the trained rows are whole on every rank
+    (a replicated DTensor; their original values gathered over the group when the adapter is added), each rank
+    replaces the rows its slice of the vocabulary holds, and their gradients (each row's from the rank holding it)
+    are summed over the group."""
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+
+    update, forward, merge, unmerge, merged_weights = (
+        TrainableTokensLayer.update_layer, TrainableTokensLayer.forward_adapters, TrainableTokensLayer.merge,
+        TrainableTokensLayer.unmerge, TrainableTokensLayer.get_merged_weights)
+
+    def context_of(base):
+        context = _context_of(base)
+        return context if context is not None and context.world_size > 1 else None
+
+    @functools.wraps(update)
+    def update_layer(self, adapter_name, config=None, tied_adapter=None, **kwargs):
+        base = _vocabulary_layer(self)
+        context = None if base is None else context_of(base)
+        if context is None or tied_adapter is not None:
+            return update(self, adapter_name, config=config, tied_adapter=tied_adapter, **kwargs)
+        indices = config.token_indices if config is not None else kwargs["token_indices"]
+        init_weights = config.init_weights if config is not None else kwargs.get("init_weights", True)
+        self.token_indices[adapter_name] = indices
+        stored = _stored(base.weight)
+        mine, rows = _own_tokens(base, indices, stored.device)
+        originals = stored.new_zeros((len(indices), stored.shape[1]))
+        originals[mine] = stored[rows]
+        with naming_timeouts(context, "gathering the trained tokens' rows over the tensor-parallel group",
+                             "every rank adds the same adapters to the model (get_peft_model, add_adapter)"):
+            torch.distributed.all_reduce(originals, group=base.group)
+        values = originals.clone() if init_weights else torch.randn_like(originals)
+        if not init_weights:
+            _take_first_ranks(context, [values])
+        self.trainable_tokens_delta[adapter_name] = torch.nn.Parameter(values, requires_grad=True)
+        _as_vectors(self, "trainable_tokens_delta", context)
+        self.trainable_tokens_original[adapter_name] = originals
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+
+    @functools.wraps(forward)
+    def forward_adapters(self, x, active_adapters, *args, **kwargs):
+        base = _vocabulary_layer(self)
+        if base is None:
+            return forward(self, x, active_adapters, *args, **kwargs)
+        if self.disable_adapters or not active_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        self._check_overlapping_tokens(active_adapters)
+        context = context_of(base)
+
+        def trained(name):
+            values = self.trainable_tokens_delta[name]
+            if context is None:
+                return values
+            # whole on every rank; each row's gradient comes from the rank holding it: summed over the group
+            return copy_to_tensor_parallel(local(values), base.group)
+
+        weight = _token_rows(self, base, active_adapters, trained,
+                             local(base.weight, base.parallel_specs.get("weight")))
+        stored = base._parameters["weight"]
+        base._parameters["weight"] = weight  # the layer computes on it (oslo swaps only DTensors for their views)
+        try:
+            return self.base_layer(x, *args, **kwargs)
+        finally:
+            base._parameters["weight"] = stored
+
+    @functools.wraps(merge)
+    def merge_tokens(self, safe_merge: bool = False, adapter_names=None) -> None:
+        base = _vocabulary_layer(self)
+        if base is None:
+            return merge(self, safe_merge=safe_merge, adapter_names=adapter_names)
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        self._check_overlapping_tokens(adapter_names)
+        weight = _stored(base.weight)
+        with torch.no_grad():
+            merged = _token_rows(self, base, adapter_names, lambda name: _stored(self.trainable_tokens_delta[name]),
+                                 weight)
+            if safe_merge and not all(torch.isfinite(_stored(self.trainable_tokens_delta[name])).all()
+                                      for name in adapter_names):  # (whole on every rank: every rank agrees)
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter_names} seems to be "
+                                 "broken")
+            weight.copy_(merged)
+        self.merged_adapters.extend(adapter_names)
+
+    @functools.wraps(unmerge)
+    def unmerge_tokens(self) -> None:
+        base = _vocabulary_layer(self)
+        if base is None:
+            return unmerge(self)
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        weight = _stored(base.weight)
+        with torch.no_grad():
+            while self.merged_adapters:
+                name = self.merged_adapters.pop()
+                weight.copy_(_token_rows(self, base, [name], lambda n: self.trainable_tokens_original[n], weight))
+
+    @functools.wraps(merged_weights)
+    def get_merged_weights(self, active_adapters):
+        base = _vocabulary_layer(self)
+        if base is None or context_of(base) is None:
+            return merged_weights(self, active_adapters)
+        # (``wrapper.weight``): the layer's parameter, a DTensor of the unmerged weight
+        return base.weight
+
+    TrainableTokensLayer.update_layer = update_layer
+    TrainableTokensLayer.forward_adapters = forward_adapters
+    TrainableTokensLayer.merge = merge_tokens
+    TrainableTokensLayer.unmerge = unmerge_tokens
+    TrainableTokensLayer.get_merged_weights = get_merged_weights
 
 
 def _install_copies_and_saves() -> None:
@@ -1384,22 +1554,7 @@ def _install_copies_and_saves() -> None:
 
     tuners_utils.cast_adapter_dtype = cast_keeping_dtensors
 
-    # PEFT's trainable tokens (trainable_token_indices=...) compute with nn.Embedding's and nn.Linear's functions:
-    # refused on oslo's vocabulary layers when the adapter is added (PEFT alone failed at the first call).
-    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
-
-    tokens_init = TrainableTokensLayer.__init__
-
-    @functools.wraps(tokens_init)
-    def tokens_on_plain_layers(self, base_layer, *args, **kwargs):
-        if isinstance(base_layer, (VocabParallelEmbedding, ColumnParallelLinear)):
-            raise NotImplementedError(
-                f"PEFT's trainable tokens (trainable_token_indices) on oslo's {type(base_layer).__name__} are not "
-                "implemented yet: train the whole embeddings instead (modules_to_save=[<the input embeddings' "
-                "name>] and, when the head is tied to them, the head's).")
-        tokens_init(self, base_layer, *args, **kwargs)
-
-    TrainableTokensLayer.__init__ = tokens_on_plain_layers
+    _install_trainable_tokens()
 
     # LoRA's add_weighted_adapter combines whole matrices (the SVD types their product, the DARE types with random
     # masks): with several processes PEFT computes on each layer's whole matrices, as in one process, and the new

@@ -181,6 +181,8 @@ class VocabularyHead:
     def _vocab_projection(self) -> VocabParallelLMHead:
         """The vocabulary-split projection itself, unwrapped (its vocabulary range, group, losses and ``gather``)."""
         module = self._vocab_module()
+        if hasattr(module, "token_adapter"):  # PEFT's trainable tokens: a wrapper around their layer
+            module = module.token_adapter
         return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
 
