@@ -808,6 +808,32 @@ def test_trainable_tokens_equal_peft_on_transformers(name, layout, tmp_path):
                            **(options[0] if options else {})) == [True] * processes
 
 
+def _generated(rank, world_size, tmp, name, tensor_parallel_size, pipeline_parallel_size):
+    case = next(c for c in CASES if c.name == name)
+    theirs = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
+                                            f"{tmp}/theirs").eval()
+    ours = peft.PeftModel.from_pretrained(getattr(oslo, name).from_pretrained_with_parallel(
+        f"{tmp}/base", tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size),
+        f"{tmp}/theirs").eval()
+    input_ids = case.batch()["input_ids"][:2, :6]
+    for options in (dict(do_sample=False), dict(num_beams=3, no_repeat_ngram_size=2, do_sample=False)):
+        expected = theirs.generate(input_ids=input_ids, max_new_tokens=5, pad_token_id=0, **options)
+        actual = ours.generate(input_ids=input_ids, max_new_tokens=5, pad_token_id=0, **options)
+        assert torch.equal(actual, expected), (options, actual, expected)
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("method, name, layout", [("lora", "GPT2LMHeadModel", "tp2-pp2"),
+                                                  ("loha", "LlamaForCausalLM", "tp2-pp2")])
+def test_an_adapted_model_generates_as_peft_on_transformers(method, name, layout, tmp_path):
+    """``generate()`` of a PEFT model (greedy, beam search with ``no_repeat_ngram_size``) gives the tokens PEFT on
+    transformers gives, with the adapters split like their layers and on their layers' stages."""
+    _reference(method, next(c for c in CASES if c.name == name), tmp_path)
+    tp, pp, processes = LAYOUTS[layout]
+    assert run_distributed(_generated, processes, str(tmp_path), name, tp, pp, timeout=120) == [True] * processes
+
+
 def _lycoris_refusal(rank, world_size, tmp, name, options):
     model = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/{name}", tensor_parallel_size=world_size)
     try:

@@ -264,10 +264,6 @@ class _OnOsloLayer:
         if new_bias is not None:
             bias.copy_(new_bias)
 
-    def _oslo_take_first_ranks(self, tensors: list[torch.Tensor]) -> None:
-        """See :func:`_take_first_ranks`."""
-        _take_first_ranks(self._oslo_context, tensors)
-
     @property
     def _oslo_kind(self) -> str:
         """``"column"``, ``"row"``, or ``"replicated"`` (an ``nn.Linear`` of a model of several processes)."""
@@ -387,8 +383,8 @@ def _make_class():
             values. Returns how ``lora_B`` is split."""
             context = self._oslo_context
             b = self.lora_B[adapter_name]
-            self._oslo_take_first_ranks([self.lora_A[adapter_name].weight, b.weight]
-                                        + ([] if b.bias is None else [b.bias]))
+            _take_first_ranks(context, [self.lora_A[adapter_name].weight, b.weight]
+                                       + ([] if b.bias is None else [b.bias]))
             spec_a = spec_b = None
             kind = self._oslo_kind
             if kind != "replicated":
@@ -736,7 +732,7 @@ def _make_ia3_class():
             if context is None:
                 return super().update_layer(adapter_name, config=config, **kwargs)
             super().update_layer(adapter_name, config=config, **kwargs)
-            self._oslo_take_first_ranks([self.ia3_l[adapter_name]])  # a random init (init_ia3_weights=False)
+            _take_first_ranks(context, [self.ia3_l[adapter_name]])  # a random init (init_ia3_weights=False)
             spec = self._oslo_spec()
             if spec is not None:
                 self.ia3_l.parallel_specs[adapter_name] = spec
@@ -846,7 +842,9 @@ def _make_lycoris_class(method: str):
         several processes every factor is whole on every rank (a replicated DTensor); each rank computes the whole
         ``delta``, keeps the slice its layer holds, and runs the input through that slice as the layer runs it
         through its weight (one more collective per adapted layer each way: the layer's own, for the update's
-        part); the factors' gradients, each rank's from its slice, are summed over the group.
+        part); the factors' gradients, each rank's from its slice, are summed over the group. The update is not
+        added to the weight before the call (no extra collective): as in PEFT, a small update must not be rounded
+        away in a half-precision weight.
 
         A layer that stores its weight as ``(in, out)`` (GPT2's, transformers' ``Conv1D``) is refused, as PEFT
         refuses ``Conv1D``; so are ``rank_dropout`` and ``module_dropout`` with several processes (each rank would
@@ -898,7 +896,7 @@ def _make_lycoris_class(method: str):
             # PEFT drew the whole factors from torch's generator, as in one process: every rank takes its stage's
             # first rank's, then holds them as replicated DTensors.
             names = [name for name in self.adapter_layer_names if adapter_name in getattr(self, name)]
-            self._oslo_take_first_ranks([getattr(self, name)[adapter_name] for name in names])
+            _take_first_ranks(context, [getattr(self, name)[adapter_name] for name in names])
             for name in names:
                 _as_vectors(self, name, context)
 
