@@ -834,6 +834,85 @@ def test_an_adapted_model_generates_as_peft_on_transformers(method, name, layout
     assert run_distributed(_generated, processes, str(tmp_path), name, tp, pp, timeout=120) == [True] * processes
 
 
+# PEFT's other tuners (oslo does not adapt them itself): on a model of one process, on plain layers
+OTHER_TUNERS = {"oft": lambda **options: peft.OFTConfig(r=0, oft_block_size=8, init_weights=False, **options),
+                "boft": lambda **options: peft.BOFTConfig(boft_block_size=4, init_weights=False, **options),
+                "hra": lambda **options: peft.HRAConfig(r=4, init_weights=False, **options),
+                "vera": lambda **options: peft.VeraConfig(r=4, init_weights=False, **options),
+                "fourierft": lambda **options: peft.FourierFTConfig(n_frequency=20, init_weights=False, **options)}
+# (OFT, BOFT and HRA take no Conv1D: not GPT2, on transformers either)
+OTHER_TUNER_CASES = [(method, name) for method in OTHER_TUNERS
+                     for name in ("LlamaForCausalLM", "BertForSequenceClassification")] + [
+    ("vera", "GPT2LMHeadModel"), ("fourierft", "GPT2LMHeadModel")]
+
+
+def _reference_other(method, case, directory):
+    """PEFT's ``method`` adapter of ``case``'s transformers model, every trained tensor moved off its init."""
+    torch.manual_seed(0)
+    reference = getattr(transformers, case.name)(case.config())
+    reference.save_pretrained(directory / "base")
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(reference, OTHER_TUNERS[method](target_modules=TARGETS[case.name]["target_modules"]))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    theirs.save_pretrained(directory / "theirs")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("method, name", OTHER_TUNER_CASES)
+def test_other_tuners_in_one_process_equal_peft_on_transformers(method, name, tmp_path):
+    """PEFT's OFT, BOFT, HRA, VeRA and FourierFT on an oslo model built in one process: the layers they target compute
+    as the ``nn.Linear`` (GPT2's: ``Conv1D``) they stand for, on the same parameters, and PEFT's own layers wrap
+    them; outputs, gradients, a step, the saved adapter on transformers, merging as PEFT on transformers (PEFT alone
+    refused oslo's layers)."""
+    _reference_other(method, next(c for c in CASES if c.name == name), tmp_path)
+    assert run_distributed(_split_equals_peft, 1, name, str(tmp_path), 1, 1, timeout=120) == [True]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_other_tuners_leave_the_bias_to_a_fused_caller():
+    """``fuse()``'s bias+dropout+add calls a projection with ``skip_bias_add=True``; PEFT's layers of the other tuners
+    take no such option (some compute with the weight themselves): the output is computed whole and the bias taken
+    off."""
+    for method, name, layer_of in [
+            ("hra", "BertForSequenceClassification", lambda m: m.bert.encoder.layer[0].output.dense),
+            ("oft", "BertForSequenceClassification", lambda m: m.bert.encoder.layer[0].output.dense),
+            ("vera", "GPT2LMHeadModel", lambda m: m.transformer.h[0].mlp.c_proj),
+            ("fourierft", "GPT2LMHeadModel", lambda m: m.transformer.h[0].mlp.c_proj)]:
+        case = next(c for c in CASES if c.name == name)
+        model = peft.get_peft_model(getattr(oslo, name).from_config_with_parallel(case.config(), seed=0),
+                                    OTHER_TUNERS[method](target_modules=TARGETS[name]["target_modules"]))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+        layer = layer_of(model.base_model.model)
+        with torch.no_grad():
+            layer.get_base_layer().bias.normal_()
+        x = torch.randn(2, 3, layer.get_base_layer().weight.shape[1 if name != "GPT2LMHeadModel" else 0])
+        torch.testing.assert_close(layer(x, skip_bias_add=True), layer(x) - layer.get_base_layer().bias,
+                                   msg=lambda m, k=method: f"{k}: {m}")
+
+
+def _other_tuner_refusal(rank, world_size, tmp):
+    model = oslo.LlamaForCausalLM.from_pretrained_with_parallel(tmp, tensor_parallel_size=world_size)
+    try:
+        peft.get_peft_model(model, OTHER_TUNERS["oft"](target_modules=TARGETS["LlamaForCausalLM"]["target_modules"]))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_other_tuners_refuse_a_model_of_several_processes(tmp_path):
+    transformers.LlamaForCausalLM(next(c for c in CASES if c.name == "LlamaForCausalLM").config()).save_pretrained(
+        tmp_path)
+    for said in run_distributed(_other_tuner_refusal, 2, str(tmp_path)):
+        assert said is not None and said.startswith("PEFT's OFT on an oslo model of several processes (world size 2) "
+                                                    "is not implemented yet (it targets model.layers.0."), said
+
+
 def _lycoris_refusal(rank, world_size, tmp, name, options):
     model = getattr(oslo, name).from_pretrained_with_parallel(f"{tmp}/{name}", tensor_parallel_size=world_size)
     try:

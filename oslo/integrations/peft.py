@@ -18,7 +18,8 @@ With pipelines each stage wraps the layers it holds, and the saved adapter gathe
 split like the features they scale with several processes. LoHa's and LoKr's layers (see :func:`_make_lycoris_class`)
 are PEFT's own in one process; with several processes their factors are whole on every rank, and each rank runs the
 input through its layer's slice of the whole update. PEFT's trainable tokens take oslo's vocabulary-split embedding
-and LM head (see :func:`_install_trainable_tokens`).
+and LM head (see :func:`_install_trainable_tokens`). PEFT's other tuners work on a model of one process, on plain
+layers standing for oslo's (see :func:`_install_other_tuners`).
 
 Installed by :func:`install` when an oslo model is built with PEFT importable (``pip install peft``): it wraps
 ``LoraModel._create_new_module`` and ``IA3Model``'s (oslo's layers first), their ``inject_adapter`` (the layers
@@ -31,6 +32,7 @@ pipeline stage may have none).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
@@ -1263,6 +1265,7 @@ def install() -> bool:
         _LYCORIS[method] = _make_lycoris_class(method)
         _teach(tuner, _lycoris_module(method))
     _install_copies_and_saves()
+    _install_other_tuners()
     _installed = True
     return True
 
@@ -1413,6 +1416,125 @@ def _install_trainable_tokens() -> None:
     TrainableTokensLayer.merge = merge_tokens
     TrainableTokensLayer.unmerge = unmerge_tokens
     TrainableTokensLayer.get_merged_weights = get_merged_weights
+
+
+class _PlainLinear(torch.nn.Linear):
+    """An oslo linear layer of a model of one process as the ``nn.Linear`` it computes, on the same parameters: what
+    PEFT's other tuners (those oslo does not adapt itself) take. Called as oslo's layers are called too
+    (``skip_bias_add``, ``input_is_copied``)."""
+
+    def __init__(self, layer) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight, self.bias = layer.weight, layer.bias
+
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False, input_is_copied: bool = False) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, None if skip_bias_add else self.bias)
+
+
+def _plain_conv1d_class():
+    from transformers.pytorch_utils import Conv1D
+
+    class _PlainConv1D(Conv1D):
+        """The same for an oslo layer storing its weight as ``(in, out)`` (GPT2's): transformers' ``Conv1D``."""
+
+        def __init__(self, layer) -> None:
+            torch.nn.Module.__init__(self)
+            self.nf, self.nx = layer.out_features, layer.in_features
+            self.weight, self.bias = layer.weight, layer.bias
+
+        def forward(self, x: torch.Tensor, skip_bias_add: bool = False, input_is_copied: bool = False) -> torch.Tensor:
+            out = x @ self.weight
+            return out if skip_bias_add or self.bias is None else out + self.bias
+
+    return _PlainConv1D
+
+
+def _skip_bias_pre_hook(module, args, kwargs):
+    """Before a PEFT layer of another tuner: oslo's call options taken off (its layer may compute without calling
+    the base layer); a fused caller's ``skip_bias_add`` remembered for :func:`_skip_bias_hook`."""
+    module.__dict__.setdefault("_oslo_skipping", []).append(bool(kwargs.pop("skip_bias_add", False)))
+    kwargs.pop("input_is_copied", None)
+    return args, kwargs
+
+
+def _skip_bias_hook(module, args, kwargs, output):
+    """After it: the bias taken off the output the layer computed whole when the caller adds it itself (the tensor
+    the layer added: its gradient cancels)."""
+    if module.__dict__["_oslo_skipping"].pop():
+        bias = added_bias(module)
+        if bias is not None:
+            return output - bias
+    return output
+
+
+def _install_other_tuners() -> None:
+    """PEFT's other tuners (OFT, BOFT, HRA, VeRA, FourierFT...: those oslo does not adapt itself) take ``nn.Linear``
+    (some also transformers' ``Conv1D``) only. In a model of one process an oslo linear layer computes what the
+    ``nn.Linear`` (GPT2's: the ``Conv1D``) it stands for computes: the layers such a tuner targets become those, on
+    the same parameters, before PEFT wraps them with its own layers, as on transformers' model. With several
+    processes such a tuner raises ``NotImplementedError`` on every rank, naming itself."""
+    import peft.tuners.tuners_utils as tuners_utils
+    from peft.tuners.trainable_tokens.model import TrainableTokensModel
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_target_module_exists
+
+    plain_conv1d = _plain_conv1d_class()
+    plain_layers = (_PlainLinear, plain_conv1d)
+
+    def oslo_layers_for(tuner, model, config) -> bool:
+        """Before ``tuner`` (not one oslo adapts itself) acts on ``model``: the oslo linear layers ``config`` targets
+        made plain layers (one process), or its refusal (several); whether ``model`` is an oslo model."""
+        context = getattr(model, "parallel_context", None)
+        if context is None or isinstance(tuner, TrainableTokensModel) \
+                or getattr(type(tuner).inject_adapter, "_oslo_layout", False):
+            return False
+        try:  # the targets as PEFT resolves them (its defaults for the model's type, "all-linear")
+            config = tuner._prepare_adapter_config(copy.deepcopy(config), BaseTuner.get_model_config(model))
+            config = tuners_utils._maybe_include_all_linear_layers(config, model)
+            targets = [name for name, module in model.named_modules()
+                       if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                       and not (isinstance(module, ColumnParallelLinear) and module.weight_spec.kind == VOCAB)
+                       and check_target_module_exists(config, name)]
+        except Exception:  # noqa: BLE001 - a config PEFT itself refuses: PEFT's own error, raised by PEFT
+            return True
+        if targets and context.world_size > 1:
+            method = getattr(config.peft_type, "value", config.peft_type)
+            raise NotImplementedError(
+                f"PEFT's {method} on an oslo model of several processes (world size {context.world_size}) is not "
+                f"implemented yet (it targets {targets[0]}, split across ranks): it works on a model built in one "
+                "process; LoRA (DoRA, rsLoRA), (IA)^3, LoHa and LoKr work at every layout.")
+        for name in targets:
+            parent_name, _, child = name.rpartition(".")
+            layer = model.get_submodule(name)
+            plain = plain_conv1d(layer) if getattr(layer, "transposed", False) else _PlainLinear(layer)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+        return True
+
+    init = BaseTuner.__init__
+
+    @functools.wraps(init)
+    def init_on_plain_layers(self, model, peft_config, adapter_name, *args, **kwargs):
+        # (before the tuner's own pre-injection hook: VeRA sizes its projections from the layers it targets)
+        oslo_layers_for(self, model, peft_config[adapter_name] if isinstance(peft_config, dict) else peft_config)
+        init(self, model, peft_config, adapter_name, *args, **kwargs)
+
+    inject = BaseTuner.inject_adapter
+
+    @functools.wraps(inject)
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+        if not oslo_layers_for(self, model, self.peft_config[adapter_name]):
+            return inject(self, model, adapter_name, *args, **kwargs)
+        result = inject(self, model, adapter_name, *args, **kwargs)
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer) and isinstance(module.get_base_layer(), plain_layers) \
+                    and "_oslo_skipping" not in module.__dict__:
+                module.__dict__["_oslo_skipping"] = []
+                module.register_forward_pre_hook(_skip_bias_pre_hook, with_kwargs=True)
+                module.register_forward_hook(_skip_bias_hook, with_kwargs=True)
+        return result
+
+    BaseTuner.__init__ = init_on_plain_layers
+    BaseTuner.inject_adapter = inject_adapter
 
 
 def _install_copies_and_saves() -> None:
