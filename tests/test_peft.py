@@ -896,21 +896,27 @@ def test_other_tuners_leave_the_bias_to_a_fused_caller():
                                    msg=lambda m, k=method: f"{k}: {m}")
 
 
-def _other_tuner_refusal(rank, world_size, tmp):
-    model = oslo.LlamaForCausalLM.from_pretrained_with_parallel(tmp, tensor_parallel_size=world_size)
+def _other_tuner_refusal(rank, world_size, tmp, name, method, targets):
+    model = getattr(oslo, name).from_pretrained_with_parallel(tmp, tensor_parallel_size=world_size)
     try:
-        peft.get_peft_model(model, OTHER_TUNERS["oft"](target_modules=TARGETS["LlamaForCausalLM"]["target_modules"]))
+        peft.get_peft_model(model, OTHER_TUNERS[method](target_modules=targets))
     except NotImplementedError as exc:
         return str(exc)
     return None
 
 
-def test_other_tuners_refuse_a_model_of_several_processes(tmp_path):
-    transformers.LlamaForCausalLM(next(c for c in CASES if c.name == "LlamaForCausalLM").config()).save_pretrained(
-        tmp_path)
-    for said in run_distributed(_other_tuner_refusal, 2, str(tmp_path)):
-        assert said is not None and said.startswith("PEFT's OFT on an oslo model of several processes (world size 2) "
-                                                    "is not implemented yet (it targets model.layers.0."), said
+@pytest.mark.parametrize("name, method, targets, message", [
+    ("LlamaForCausalLM", "oft", TARGETS["LlamaForCausalLM"]["target_modules"],
+     "PEFT's OFT on an oslo model of several processes (world size 2) is not implemented yet (it targets "
+     "model.layers.0."),
+    # a plain nn.Linear of a split model (its parameters DTensors)
+    ("BertForSequenceClassification", "vera", ["classifier"],
+     "PEFT's VERA on an oslo model of several processes (world size 2) is not implemented yet (it targets "
+     "classifier,")], ids=["oft-llama", "vera-bert-classifier"])
+def test_other_tuners_refuse_a_model_of_several_processes(tmp_path, name, method, targets, message):
+    getattr(transformers, name)(next(c for c in CASES if c.name == name).config()).save_pretrained(tmp_path)
+    for said in run_distributed(_other_tuner_refusal, 2, str(tmp_path), name, method, targets):
+        assert said is not None and said.startswith(message), said
 
 
 def _lycoris_refusal(rank, world_size, tmp, name, options):

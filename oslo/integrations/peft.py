@@ -1491,8 +1491,10 @@ def _install_other_tuners() -> None:
         try:  # the targets as PEFT resolves them (its defaults for the model's type, "all-linear")
             config = tuner._prepare_adapter_config(copy.deepcopy(config), BaseTuner.get_model_config(model))
             config = tuners_utils._maybe_include_all_linear_layers(config, model)
+            # (with several processes an nn.Linear's parameters are DTensors too: PEFT's layers cannot compute on them)
+            kinds = (ColumnParallelLinear, RowParallelLinear) + ((torch.nn.Linear,) if context.world_size > 1 else ())
             targets = [name for name, module in model.named_modules()
-                       if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                       if isinstance(module, kinds)
                        and not (isinstance(module, ColumnParallelLinear) and module.weight_spec.kind == VOCAB)
                        and check_target_module_exists(config, name)]
         except Exception:  # noqa: BLE001 - a config PEFT itself refuses: PEFT's own error, raised by PEFT
@@ -1501,8 +1503,8 @@ def _install_other_tuners() -> None:
             method = getattr(config.peft_type, "value", config.peft_type)
             raise NotImplementedError(
                 f"PEFT's {method} on an oslo model of several processes (world size {context.world_size}) is not "
-                f"implemented yet (it targets {targets[0]}, split across ranks): it works on a model built in one "
-                "process; LoRA (DoRA, rsLoRA), (IA)^3, LoHa and LoKr work at every layout.")
+                f"implemented yet (it targets {targets[0]}, whose parameters are DTensors here): it works on a "
+                "model built in one process; LoRA (DoRA, rsLoRA), (IA)^3, LoHa and LoKr work at every layout.")
         for name in targets:
             parent_name, _, child = name.rpartition(".")
             layer = model.get_submodule(name)
