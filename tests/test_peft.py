@@ -777,8 +777,9 @@ def _refusal(rank, world_size, tmp, target, options, pipeline_parallel_size=1):
     ("c_attn", dict(init_lora_weights="pissa"), "init_lora_weights='pissa' derives the adapter from the base weights"),
     ("c_attn", dict(init_lora_weights="olora"), "init_lora_weights='olora' derives the adapter from the base weights"),
     # (with pipelines the embeddings and the head tied to them are on different stages)
-    ("c_attn", dict(trainable_token_indices=[3, 5]), "PEFT's trainable tokens (trainable_token_indices) on an oslo "
-                                                     "model at pipeline_parallel_size=2 are not implemented yet"),
+    ("c_attn", dict(trainable_token_indices=[3, 5]), "PEFT's trainable tokens (trainable_token_indices) of a model "
+                                                     "whose LM head is tied to its input embeddings at "
+                                                     "pipeline_parallel_size=2 are not implemented yet"),
 ], ids=["dora-vocabulary-split-head", "pissa", "olora", "trainable-tokens-pp2"])
 def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target, options, message):
     transformers.GPT2LMHeadModel(next(c for c in CASES if c.name == "GPT2LMHeadModel").config()).save_pretrained(
@@ -789,7 +790,7 @@ def test_lora_where_it_is_not_implemented_refuses_on_every_rank(tmp_path, target
 
 
 TOKENS_LAYOUTS = {"GPT2LMHeadModel": ["one-process", "tp2", "tp2-dp2", "tp2-sequence-parallel"],
-                  "LlamaForCausalLM": ["one-process", "tp2"]}
+                  "LlamaForCausalLM": ["one-process", "tp2", "pp2", "tp2-pp2"]}  # (Llama's head: not tied)
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")

@@ -1220,13 +1220,14 @@ def _teach(tuner, module_for) -> None:
             context = getattr(model, "parallel_context", None)
             config = self.peft_config.get(adapter_name)
             if context is not None and context.pipeline_parallel_size > 1 \
-                    and getattr(config, "trainable_token_indices", None) is not None:
+                    and getattr(config, "trainable_token_indices", None) is not None \
+                    and getattr(model.config, "tie_word_embeddings", False):
                 raise NotImplementedError(
-                    "PEFT's trainable tokens (trainable_token_indices) on an oslo model at pipeline_parallel_size="
-                    f"{context.pipeline_parallel_size} are not implemented yet (the input embeddings and a head tied "
-                    "to them are on different stages): use them at pipeline_parallel_size=1 (any "
-                    "tensor_parallel_size), or train the whole embeddings (modules_to_save=[<the input embeddings' "
-                    "name>]).")
+                    "PEFT's trainable tokens (trainable_token_indices) of a model whose LM head is tied to its input "
+                    f"embeddings at pipeline_parallel_size={context.pipeline_parallel_size} are not implemented yet "
+                    "(the embeddings and the head are on different stages): use them at pipeline_parallel_size=1 "
+                    "(any tensor_parallel_size), or train the whole embeddings (modules_to_save=[<the input "
+                    "embeddings' name>]).")
             return _in_stage_order(self, model, adapter_name, lambda: inject(self, model, adapter_name, *args,
                                                                              **kwargs))
 
@@ -1410,6 +1411,31 @@ def _install_trainable_tokens() -> None:
             return merged_weights(self, active_adapters)
         # (``wrapper.weight``): the layer's parameter, a DTensor of the unmerged weight
         return base.weight
+
+    # With pipelines each stage wraps the layers it holds (the input embeddings are on the first).
+    import peft.peft_model
+    import peft.tuners.tuners_utils as tuners_utils
+
+    additional = tuners_utils.set_additional_trainable_modules
+
+    @functools.wraps(additional)
+    def additional_on_this_stage(model, peft_config, *args, **kwargs):
+        context = getattr(model, "parallel_context", None)
+        indices = getattr(peft_config, "trainable_token_indices", None)
+        if context is None or context.pipeline_parallel_size == 1 or indices is None:
+            return additional(model, peft_config, *args, **kwargs)
+        if isinstance(indices, dict):
+            names = [name for name, _ in model.named_modules()]
+            held = {layer: ids for layer, ids in indices.items()
+                    if any(name == layer or name.endswith("." + layer) for name in names)}
+        else:
+            held = indices if model.get_input_embeddings() is not None else None
+        peft_config = copy.copy(peft_config)
+        peft_config.trainable_token_indices = held or None
+        return additional(model, peft_config, *args, **kwargs)
+
+    tuners_utils.set_additional_trainable_modules = additional_on_this_stage
+    peft.peft_model.set_additional_trainable_modules = additional_on_this_stage
 
     TrainableTokensLayer.update_layer = update_layer
     TrainableTokensLayer.forward_adapters = forward_adapters
