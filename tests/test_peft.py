@@ -1,8 +1,9 @@
 """Stock PEFT on oslo models, against PEFT on transformers' model of the same weights, at every layout: an adapter
 written by PEFT for the transformers class loads onto the oslo class (``PeftModel.from_pretrained``), gives the same
 outputs, loss and adapter gradients, trains the same, saves an adapter that PEFT loads back onto the transformers
-class, merges, unmerges and switches adapters as PEFT does. LoRA (its variants), (IA)^3, prompt and prefix tuning;
-what is not implemented with several processes refuses with a clear error on every rank."""
+class, merges, unmerges and switches adapters as PEFT does. LoRA (its variants, weighted combinations, trainable
+tokens), (IA)^3, LoHa and LoKr, prompt and prefix tuning, and PEFT's other tuners in one process; what is not
+implemented with several processes refuses with a clear error on every rank."""
 
 from __future__ import annotations
 
