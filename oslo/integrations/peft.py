@@ -213,6 +213,18 @@ def _take_first_ranks(context, tensors: list[torch.Tensor]) -> None:
             tensor.copy_(value.view_as(tensor))
 
 
+@contextmanager
+def _computing_with(layer: torch.nn.Module, weight: torch.Tensor) -> Iterator[None]:
+    """While in the block, an oslo layer's own forward computes with ``weight`` (this rank's tensor, in the layer's
+    stored layout) in place of its weight parameter: oslo swaps only DTensors for their local views."""
+    stored = layer._parameters["weight"]
+    layer._parameters["weight"] = weight
+    try:
+        yield
+    finally:
+        layer._parameters["weight"] = stored
+
+
 def _as_vectors(module: torch.nn.Module, attribute: str, context) -> _Vectors:
     """``module``'s ParameterDict ``attribute`` as a :class:`_Vectors` of DTensors (whole on every rank unless its
     ``parallel_specs`` say otherwise), its entries distributed."""
@@ -947,31 +959,14 @@ def _make_lycoris_class(method: str):
             return (result + self._oslo_through(x, delta, kwargs)).to(x.dtype)
 
         def _oslo_through(self, x: torch.Tensor, weight: torch.Tensor, kwargs) -> torch.Tensor:
-            """``x`` through ``weight`` (this rank's part of an ``(out, in)`` update, no bias) as the layer runs its
-            input through its own weight: the same collectives, so that the result is in the layer's output layout
-            and every gradient is the unsplit layer's."""
-            base, kind = self.get_base_layer(), self._oslo_kind
-            h = self._cast_input_dtype(x, weight.dtype)
-            if kind == "replicated":
+            """``x`` through ``weight`` (this rank's part of an ``(out, in)`` update, no bias) by the layer's own
+            forward (its collectives), so that the result is in the layer's output layout and every gradient is the
+            unsplit layer's."""
+            base, h = self.get_base_layer(), self._cast_input_dtype(x, weight.dtype)
+            if self._oslo_kind == "replicated":
                 return torch.nn.functional.linear(h, weight)
-            group, sequence = base.group, base.sequence
-            on_shards = sequence is not None and sequence.active
-            if kind == COLUMN:
-                if kwargs.get("input_is_copied", False):
-                    pass  # x's gradient is summed over the group by the caller
-                elif on_shards:
-                    h = gather_sequence(h, group, sequence.dim)
-                else:
-                    h = copy_to_tensor_parallel(h, group)
-                out = torch.nn.functional.linear(h, weight)
-                if base.gather_output:
-                    out = gather_from_tensor_parallel(out, group, dim=-1)[..., : self.out_features]
-                return out
-            if not base.input_is_parallel:
-                h = scatter_to_tensor_parallel(h, group, dim=-1)
-            out = torch.nn.functional.linear(h, weight)
-            return (reduce_scatter_sequence(out, group, sequence.dim) if on_shards
-                    else reduce_from_tensor_parallel(out, group))
+            with _computing_with(base, weight):
+                return base(h, **{**kwargs, "skip_bias_add": True})
 
         def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
             adapter_names = check_adapters_to_merge(self, adapter_names)
@@ -1363,12 +1358,8 @@ def _install_trainable_tokens() -> None:
 
         weight = _token_rows(self, base, active_adapters, trained,
                              local(base.weight, base.parallel_specs.get("weight")))
-        stored = base._parameters["weight"]
-        base._parameters["weight"] = weight  # the layer computes on it (oslo swaps only DTensors for their views)
-        try:
+        with _computing_with(base, weight):
             return self.base_layer(x, *args, **kwargs)
-        finally:
-            base._parameters["weight"] = stored
 
     @functools.wraps(merge)
     def merge_tokens(self, safe_merge: bool = False, adapter_names=None) -> None:
