@@ -362,6 +362,10 @@ def _reference_lycoris(method, case, directory, **options):
     the targets LoRA's (the classifier of BERT's, trained whole)."""
     torch.manual_seed(0)
     reference = getattr(transformers, case.name)(case.config())
+    with torch.no_grad():  # (transformers' init zeroes the biases: a bias added twice would not show)
+        for name, p in reference.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(std=0.1)
     reference.save_pretrained(directory / "base")
     torch.manual_seed(1)
     config = LYCORIS[method](**{**TARGETS[case.name], **options})
