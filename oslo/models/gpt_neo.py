@@ -43,7 +43,7 @@ from oslo.kernels import (
 )
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import DecoderBody, LearnedPositions
-from oslo.models.compat import accepts_legacy_cache_name
+from oslo.models.compat import LEGACY_CACHE_NAME, accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -407,6 +407,15 @@ class GPTNeoForQuestionAnswering(QuestionAnsweringHead, GPTNeoPreTrainedModel):
         self.transformer = GPTNeoModel(config, self.parallel_context)
         self._build_question_answering_head(config)
         self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                start_positions=None, end_positions=None, return_dict=None, **kwargs):
+        """As transformers' ``GPTNeoForQuestionAnswering.forward``, which hands its body no KV cache: a cache
+        given (``cache=``, ``past_key_values=``) is neither read nor filled."""
+        for name in ("cache", LEGACY_CACHE_NAME, "use_cache"):
+            kwargs.pop(name, None)
+        return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               start_positions, end_positions, return_dict=return_dict, **kwargs)
 
 
 __all__ = [

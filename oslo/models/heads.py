@@ -37,7 +37,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
-from oslo.models.compat import accepts_legacy_cache_name
+from oslo.models.compat import accepts_legacy_cache_name, rename_legacy_cache
 from oslo.models.runner import forward_with_head, logits_not_gathered
 from oslo.parallel.dtensor import has_user_forward_hooks, has_user_hooks
 from oslo.parallel.layers import VocabParallelLMHead
@@ -531,6 +531,10 @@ class QuestionAnsweringHead:
         searched in ``input_ids``): what every architecture's ``forward`` calls, whatever inputs its body
         takes."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        # A cache given is read and filled, as transformers' bodies do (the output has no field for it); none
+        # given, none is built.
+        cache = rename_legacy_cache(kwargs).pop("cache", None)
+        use_cache = kwargs.pop("use_cache", None)
         input_ids, inputs_embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
 
@@ -562,7 +566,8 @@ class QuestionAnsweringHead:
             {"start_positions": start_positions, "end_positions": end_positions},
             head,
             output_class,
-            use_cache=False,
+            cache=cache,
+            use_cache=cache is not None if use_cache is None else use_cache,
             return_dict=return_dict,
             body_kwargs=kwargs,
             loss_items=loss_items,

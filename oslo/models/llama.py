@@ -356,6 +356,7 @@ class LlamaForCausalLM(CausalLMHead, LlamaPreTrainedModel, GenerationMixin):
         self._build_lm_head(config)
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         """As transformers' ``LlamaForCausalLM.forward``; see :class:`~oslo.models.heads.CausalLMHead`."""
@@ -373,6 +374,7 @@ class LlamaForSequenceClassification(SequenceClassificationHead, LlamaPreTrained
         self._build_sequence_classification_head(config)
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, **kwargs):
         """As transformers' ``LlamaForSequenceClassification.forward``."""
@@ -390,6 +392,7 @@ class LlamaForTokenClassification(TokenClassificationHead, LlamaPreTrainedModel)
         self._build_token_classification_head(config)
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, **kwargs):
         """As transformers' ``LlamaForTokenClassification.forward``."""
@@ -407,12 +410,13 @@ class LlamaForQuestionAnswering(QuestionAnsweringHead, LlamaPreTrainedModel):
         self._build_question_answering_head(config)
         self.post_init()
 
+    @accepts_legacy_cache_name
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 start_positions=None, end_positions=None, **kwargs):
-        """As transformers' ``LlamaForQuestionAnswering.forward`` (a question-answering call keeps no KV cache:
-        ``cache`` is not used)."""
+        """As transformers' ``LlamaForQuestionAnswering.forward`` (a ``cache`` given is read and filled; the output
+        has no field for it)."""
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               inputs_embeds=inputs_embeds, start_positions=start_positions,
+                               cache=cache, inputs_embeds=inputs_embeds, start_positions=start_positions,
                                end_positions=end_positions, **kwargs)
 
 

@@ -3,6 +3,8 @@ passes) and ``past_key_values`` (before 5.24, and code written for it), against 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -98,3 +100,41 @@ def test_the_output_holds_the_cache_when_transformers_does(tmp_path, name):
             assert ours.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
             for layer in range(config.num_hidden_layers if hasattr(config, "num_hidden_layers") else 2):
                 torch.testing.assert_close(ours.layers[layer].keys, theirs.layers[layer].keys)
+
+
+_HEADS = {
+    "GPT2Model": ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
+                  "GPT2ForQuestionAnswering"],
+    "GPTNeoModel": ["GPTNeoForCausalLM", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification",
+                    "GPTNeoForQuestionAnswering"],
+    **{body: [f"{body[:-5]}{head}" for head in ("ForCausalLM", "ForSequenceClassification",
+                                                  "ForTokenClassification", "ForQuestionAnswering")]
+       for body in ("LlamaModel", "Qwen2Model", "MistralModel")},
+}
+
+
+@pytest.mark.parametrize("name", [name for heads in _HEADS.values() for name in heads] + list(_HEADS))
+def test_every_decoder_class_reads_a_cache_passed_as_past_key_values(tmp_path, name):
+    """A cache filled by a first call and passed to the next, both as ``past_key_values=`` (the name code written
+    for transformers before 5.24 uses): the second call continues from it, giving transformers' outputs. A class
+    whose ``forward`` names ``cache=None`` in its own signature must not hand that ``None`` on beside the
+    user's ``past_key_values`` (it would be "both given" and the user's cache silently ignored)."""
+    body = next((body for body, heads in _HEADS.items() if name in heads), name)
+    config = _BODIES[body]()
+    config.pad_token_id = 0
+    reference = save_reference(getattr(transformers, name), config, str(tmp_path)).eval()
+    model = getattr(oslo, name).from_pretrained_with_parallel(str(tmp_path)).eval()
+    ids = torch.tensor([[5, 17, 90, 3, 44], [6, 7, 8, 9, 10]]) % config.vocab_size
+    outputs, caches = [], []
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name's deprecation
+        for call in (reference, model):
+            caches.append(DynamicCache(config=config))
+            call(ids[:, :3], past_key_values=caches[-1], use_cache=True)
+            outputs.append(call(ids[:, 3:], past_key_values=caches[-1], use_cache=True))
+    theirs, ours = outputs
+    key = next(key for key in ("logits", "start_logits", "last_hidden_state") if key in theirs)
+    torch.testing.assert_close(ours[key], theirs[key])
+    # transformers' GPTNeoForQuestionAnswering hands its body no cache: it stays empty there, in oslo too
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == (0 if name == "GPTNeoForQuestionAnswering"
+                                                                          else 5)
