@@ -48,6 +48,7 @@ from oslo.parallel.dtensor import (
     undistribute_parameters,
 )
 from oslo.parallel.failure import call_watch
+from oslo.parallel.layers import ColumnParallelEmbedding, VocabParallelEmbedding
 from oslo.parallel.pipeline import (
     TimelineEvent,
     close_open_step,
@@ -540,6 +541,17 @@ class OsloPreTrainedModel(PreTrainedModel):
             self._require_grads_hooks = []
             return
         super().enable_input_require_grads()
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' count (this stage's parameters, each with its whole shape), whose ``exclude_embeddings``
+        leaves out the ``nn.Embedding`` weights: oslo's embedding layers (split by vocabulary or by columns) are
+        embeddings too."""
+        if not exclude_embeddings:
+            return super().num_parameters(only_trainable=only_trainable)
+        embeddings = {id(module.weight) for module in self.modules()
+                      if isinstance(module, nn.Embedding | VocabParallelEmbedding | ColumnParallelEmbedding)}
+        return sum(parameter.numel() for parameter in self.parameters()
+                   if id(parameter) not in embeddings and (parameter.requires_grad or not only_trainable))
 
     @classmethod
     def _validate_parallel_config(cls, config: PretrainedConfig, tensor_parallel_size: int) -> None:

@@ -657,6 +657,16 @@ class _BertPredictions(VocabularyHead):
     def _vocab_module(self) -> nn.Module:
         return self.cls.predictions.decoder
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """``cls.predictions.decoder``, as transformers' BERT heads return (what PEFT's ``"all-linear"`` leaves
+        out); ``None`` on a pipeline stage that does not hold the head."""
+        predictions = getattr(getattr(self, "cls", None), "predictions", None)
+        return None if predictions is None else getattr(predictions, "decoder", None)
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
 
 class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
     """Masked LM + next sentence prediction; the loss (both labels given) is their sum, each averaged over

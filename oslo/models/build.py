@@ -260,6 +260,7 @@ def from_pretrained_with_parallel(
             f"{cls.__name__}.from_pretrained_with_parallel got unexpected keyword argument(s) "
             f"{sorted(unused)}: they are neither oslo options nor attributes of {type(config).__name__}."
         )
+    config.name_or_path = os.fspath(pretrained_model_name_or_path)  # as transformers: what the caller named
     ckpt.complete_legacy_index(checkpoint, cls, config)  # the original OSLO's split files: no index
     if resize_token_embeddings is not None:
         config.vocab_size = validate_parallel_size("resize_token_embeddings", resize_token_embeddings)

@@ -217,12 +217,13 @@ def forward_with_head(
     def wrap(output):
         return output if return_dict else output.to_tuple()
 
+    def asked(name: str) -> bool:
+        """Whether the call asks for the per-layer output ``name`` (its flag given, or the config's)."""
+        flag = "output_hidden_states" if "hidden_states" in name else "output_attentions"
+        return bool(body_kwargs[flag] if body_kwargs.get(flag) is not None else getattr(model.config, flag, False))
+
     if torch.is_grad_enabled() and all(head_inputs.get(name) is not None for name in model._pipeline_loss_inputs):
-        flags = {"output_hidden_states" if "hidden_states" in name else "output_attentions"
-                 for name in per_layer_fields}
-        asked = [flag for flag in sorted(flags) if (
-            body_kwargs[flag] if body_kwargs.get(flag) is not None else getattr(model.config, flag, False))]
-        if cache is not None or asked:
+        if cache is not None or any(asked(name) for name in per_layer_fields):
             raise NotImplementedError(
                 "a KV cache (cache=), output_hidden_states and output_attentions are not supported in a pipeline "
                 "training step (its micro-batch outputs hold the loss); run the model under torch.no_grad() "
@@ -283,10 +284,11 @@ def forward_with_head(
     values = pipeline_pass(context, lambda received, stage: run_stage(batch, received, cache, True, stage=stage,
                                                                       states=states),
                            names, payload=body.stage_payload, first_stage=body.first_pass_stage(inputs, body_kwargs))
+    # The fields asked for, alike on every stage (a stage may have run no layer: T5's encoder stages when its
+    # output is given); a field no stage has stays None.
     link = StageLink(context)
-    gathered = [name for name in per_layer_fields if any(name in outputs for outputs in stage_outputs.values())]
     values.update({name: link.gather_stages({stage: outputs[name] for stage, outputs in stage_outputs.items()
-                                             if name in outputs}) for name in gathered})
+                                             if name in outputs}) for name in per_layer_fields if asked(name)})
     if CACHE_FIELD in fields:
         values[CACHE_FIELD] = cache if use_cache else None
     return wrap(output_class(**values))

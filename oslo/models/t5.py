@@ -558,6 +558,7 @@ class _T5Stacks(StagedBody):
         setattr(state, encoder_fields[0], () if output_hidden_states and encoder_last_hidden_state is None else None)
         setattr(state, encoder_fields[1], () if output_attentions and encoder_last_hidden_state is None else None)
         if not decoder_fields:
+            state.cross_attentions = () if output_attentions else None  # empty, as transformers' encoder stack
             return state
 
         if (decoder_input_ids is None) == (decoder_inputs_embeds is None):
@@ -662,8 +663,7 @@ class _T5Stacks(StagedBody):
         if state.encoder_only:
             return BaseModelOutputWithPastAndCrossAttentions(
                 last_hidden_state=payload["hidden_states"], hidden_states=getattr(state, state.encoder_fields[0]),
-                attentions=getattr(state, state.encoder_fields[1]), cross_attentions=() if state.output_attentions
-                else None)
+                attentions=getattr(state, state.encoder_fields[1]), cross_attentions=state.cross_attentions)
         hidden_states = self._whole(payload["hidden_states"], state.decoder_sharded)
         hidden_states = self.decoder.dropout(self.decoder.final_layer_norm(hidden_states))
         if state.decoder_hidden_states is not None:
@@ -799,7 +799,7 @@ class T5Model(_T5Stacks, T5PreTrainedModel):
 class T5EncoderModel(_T5Stacks, T5PreTrainedModel):
     output_class = BaseModelOutputWithPastAndCrossAttentions
     stage_payload = ("hidden_states", "encoder_position_table")
-    per_layer_outputs = ("hidden_states", "attentions")
+    per_layer_outputs = ("hidden_states", "attentions", "cross_attentions")  # the last always empty
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
 
     def __init__(self, config: T5Config, parallel_context: ParallelContext | None = None) -> None:

@@ -504,21 +504,23 @@ class StageLink:
         """Give every stage the last stage's ``tensor``, or ``None`` if it has none."""
         return self.broadcast_from(self.context.pipeline_parallel_size - 1, tensor)
 
-    def gather_stages(self, local: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    def gather_stages(self, local: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
         """Every stage's tuple of tensors, concatenated in stage order, on every stage (per-layer outputs such
         as hidden states, whose layers are spread over the stages). ``local`` maps this rank's stages (its
         pipeline rank; under an interleaved schedule its virtual stages) to their tuples; a stage left out
-        has none."""
+        has none. ``None`` when no stage has a tuple. Every stage calls it, whatever it holds."""
         context = self.context
         size = context.pipeline_parallel_size
-        gathered = []
+        gathered, found = [], False
         for stage in range(size * context.virtual_pipeline_size):
             owner = stage % size
             mine = owner == context.pipeline_parallel_rank
-            tensors = local.get(stage, ()) if mine else ()
-            count = self.broadcast_from(owner, torch.tensor(len(tensors)) if mine else None)
-            gathered.extend(self.broadcast_from(owner, tensors[i] if mine else None) for i in range(int(count)))
-        return tuple(gathered)
+            tensors = local.get(stage) if mine else None
+            count = int(self.broadcast_from(owner, torch.tensor(-1 if tensors is None else len(tensors))
+                                            if mine else None))
+            found = found or count >= 0
+            gathered.extend(self.broadcast_from(owner, tensors[i] if mine else None) for i in range(count))
+        return tuple(gathered) if found else None
 
     def broadcast_from(self, stage: int, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Give every stage the ``tensor`` of stage ``stage``, or ``None`` if it has none (the other
@@ -536,16 +538,19 @@ class StageLink:
             header = self._device_tensor(header)
         else:
             header = self._device_tensor(torch.empty(_HEADER, dtype=torch.int64))
-        with naming_timeouts(context, f"receiving pipeline stage {stage}'s outputs", group=group):
-            dist.broadcast(header, source, group=group)
+        what = f"receiving pipeline stage {stage}'s outputs"
+        # Waited for as the model's collectives are: this runs after the stages settled their pass, so a rank
+        # failing here (its exception recorded by the call's watch) must stop the others waiting for it.
+        with naming_timeouts(context, what, group=group):
+            failure.wait(dist.broadcast(header, source, group=group, async_op=True), group, what)
         values = header.tolist()
         if values[0] == _NONE:
             return None
         if not is_source:
             dtype, shape = self._described(values)[0]
             tensor = torch.empty(shape, dtype=dtype, device=context.device)
-        with naming_timeouts(context, f"receiving pipeline stage {stage}'s outputs", group=group):
-            dist.broadcast(tensor, source, group=group)
+        with naming_timeouts(context, what, group=group):
+            failure.wait(dist.broadcast(tensor, source, group=group, async_op=True), group, what)
         return tensor
 
     def wait_all(self) -> None:

@@ -226,3 +226,42 @@ def test_the_encoder_alone_on_every_rank(path, tp, pp):
         assert len(output.hidden_states) == len(expected.hidden_states) == 4
         for ours, theirs in zip(output.hidden_states, expected.hidden_states, strict=True):
             torch.testing.assert_close(ours, theirs)
+
+
+def _per_layer_outputs_under_pipelines(rank, world_size, path, encoder_path):
+    """Hidden states and attentions at pipeline_parallel_size 2 where some stages run no layer: a call given the
+    encoder's output (the encoder's stage runs nothing; generate()'s decoding steps make this call), and
+    T5EncoderModel (transformers' encoder stack returns an empty cross_attentions with its attentions)."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from tests.models.zoo import compare_outputs
+
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(
+        path, pipeline_parallel_size=2, attn_implementation="eager", timeout=60)
+    batch = tokens()
+    decoder_input_ids = batch["input_ids"][:, :3]
+    with torch.no_grad():
+        encoder_outputs = BaseModelOutput(last_hidden_state=reference.encoder(**batch).last_hidden_state)
+        for flags in ({"output_hidden_states": True}, {"output_attentions": True}):
+            call = dict(encoder_outputs=encoder_outputs, attention_mask=batch["attention_mask"],
+                        decoder_input_ids=decoder_input_ids, **flags)
+            compare_outputs(model(**call), reference(**call), f"encoder_outputs given, {flags}")
+        options = dict(max_new_tokens=3, output_hidden_states=True, output_attentions=True, return_dict_in_generate=True)
+        ours, theirs = model.generate(**batch, **options), reference.generate(**batch, **options)
+        torch.testing.assert_close(ours.sequences, theirs.sequences)
+        for field in ("decoder_hidden_states", "decoder_attentions", "cross_attentions"):
+            for step, (mine, expected) in enumerate(zip(getattr(ours, field), getattr(theirs, field), strict=True)):
+                compare_outputs({field: mine}, {field: expected}, f"generate, step {step}")
+        encoder = oslo.T5EncoderModel.from_pretrained_with_parallel(
+            encoder_path, pipeline_parallel_size=2, attn_implementation="eager", timeout=60)
+        expected = transformers.T5EncoderModel.from_pretrained(encoder_path, attn_implementation="eager")(
+            **batch, output_attentions=True, output_hidden_states=True)
+        compare_outputs(encoder(**batch, output_attentions=True, output_hidden_states=True), expected,
+                        "T5EncoderModel")
+    return "ok"
+
+
+def test_per_layer_outputs_when_a_stage_runs_no_layer(path, tmp_path):
+    save_reference(transformers.T5EncoderModel, tiny_t5_config(), str(tmp_path))
+    assert run_distributed(_per_layer_outputs_under_pipelines, 2, path, str(tmp_path), timeout=120) == ["ok"] * 2

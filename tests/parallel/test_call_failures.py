@@ -243,3 +243,40 @@ def test_calling_the_model_inside_an_open_step_ends_it_loudly():
     (message0, eval0), (message1, eval1) = run_distributed(_call_inside_the_loop, 2, timeout=TIMEOUT)
     assert "ended early" in message0 and "ended early" in message1
     assert eval0 == pytest.approx(eval1)
+
+
+def _last_stage_fails_handing_out_the_outputs(rank, world_size):
+    """Three no-gradient passes at pp 2; in the second, the last stage raises while it hands its outputs to the
+    other stage (after the stages settled the pass: their own failure exchange is over)."""
+    from oslo.parallel.pipeline import StageLink
+
+    model = build(tp=1, pp=2)
+    calls, original = [0], StageLink.broadcast_from
+
+    def broadcast_from(self, stage, tensor):
+        if rank == 1 and calls[0] == 1:
+            raise Boom("injected failure")
+        return original(self, stage, tensor)
+
+    StageLink.broadcast_from = broadcast_from
+    outcomes = []
+    for call in range(3):
+        calls[0] = call
+        try:
+            with torch.no_grad():
+                model(**batch(call))
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
+
+
+def test_a_stage_failing_after_the_pass_stops_the_others():
+    """The stage waiting for the outputs stops at once, naming the failed rank (not after the model's timeout
+    of 300 s, which would outlast the test's)."""
+    (first0, second0, third0), (first1, second1, third1) = run_distributed(
+        _last_stage_fails_handing_out_the_outputs, 2, timeout=TIMEOUT)
+    assert first0 == first1 == "ok"
+    assert second1[0] == "Boom"
+    assert second0[0] == "RankFailedError" and "rank 1: Boom: injected failure" in second0[1]
+    assert third0[0] == third1[0] == "ModelUnusableError"
