@@ -247,7 +247,8 @@ def _per_layer_outputs_under_pipelines(rank, world_size, path, encoder_path):
             call = dict(encoder_outputs=encoder_outputs, attention_mask=batch["attention_mask"],
                         decoder_input_ids=decoder_input_ids, **flags)
             compare_outputs(model(**call), reference(**call), f"encoder_outputs given, {flags}")
-        options = dict(max_new_tokens=3, output_hidden_states=True, output_attentions=True, return_dict_in_generate=True)
+        options = dict(max_new_tokens=3, output_hidden_states=True, output_attentions=True,
+                       return_dict_in_generate=True)
         ours, theirs = model.generate(**batch, **options), reference.generate(**batch, **options)
         torch.testing.assert_close(ours.sequences, theirs.sequences)
         for field in ("decoder_hidden_states", "decoder_attentions", "cross_attentions"):
