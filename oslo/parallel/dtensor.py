@@ -135,6 +135,16 @@ def trained_grad(param: torch.Tensor) -> torch.Tensor | None:
     return plain(param.grad)
 
 
+def current_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """:func:`trained_grad` as the next call will see it: a gradient cleared on one side of a storage that trains
+    in its DTensor's place (the optimizer's ``zero_grad`` on the DTensor; DDP or DeepSpeed on the storage) is
+    cleared on both first, as a layer does when it reads the parameter. For what reads a gradient before the
+    layers run (a pipeline step's snapshot of its tied weights' gradients)."""
+    if isinstance(param, DTensor) and getattr(param, "_oslo_plain_leaf", False):
+        _sync_plain_leaf(param)
+    return trained_grad(param)
+
+
 def is_distributed(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are DTensors (built with several processes)."""
     return bool(model.__dict__.get("_oslo_distributed", False))

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from oslo.parallel.agreement import agree_on_nonfinite_gradients
 from oslo.parallel.data_parallel import average_over_replicas
-from oslo.parallel.dtensor import trained_grad
+from oslo.parallel.dtensor import current_grad, trained_grad
 
 
 def tie_families(model: nn.Module) -> dict[str, list[str]]:
@@ -148,7 +148,8 @@ def pipeline_gradient_reduction(
             continue
         member = next(name for name in [source, *sorted(families[source])] if name in parameters)
         tied.append((parameters[member], group))
-    before = [grad.detach().clone() if (grad := trained_grad(param)) is not None else None for param, _ in tied]
+    # (before any layer ran: a gradient the user's zero_grad cleared on the DTensor only is cleared here too)
+    before = [grad.detach().clone() if (grad := current_grad(param)) is not None else None for param, _ in tied]
 
     def reduce(scaled: bool) -> None:
         for (param, group), previous in zip(tied, before, strict=True):

@@ -215,3 +215,38 @@ def _ddp_over_the_world(rank, world_size, path, batch):
 
 def test_ddp_over_another_group_than_the_data_parallel_one_is_refused(zoo_checkpoints):
     run_distributed(_ddp_over_the_world, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))
+
+
+def _ddp_pipeline_steps(rank, world_size, path):
+    """Three steps of the manual's DDP loop at pp 2 (GPT2's tied wte and lm_head on both stages), the optimizer over
+    ``model.parameters()`` (the DTensors: torch's ``zero_grad`` clears their gradients, not the storages' that DDP
+    trains). Returns the weights, whole, and transformers' after the same steps on the same batches."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=2)
+    model.train()
+    ddp = DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for batch in _global_batch():
+        optimizer.zero_grad()
+        for micro_output in ddp(input_ids=batch, labels=batch):
+            micro_output.loss.backward()
+        optimizer.step()
+        expected.zero_grad()
+        reference(input_ids=batch, labels=batch).loss.backward()
+        expected.step()
+    ours = full_params(model)
+    return {name: (ours[name], param.detach()) for name, param in reference.named_parameters(remove_duplicate=False)
+            if name in ours}
+
+
+def test_ddp_pipeline_steps_after_zero_grad_on_the_dtensors(lm_checkpoint):
+    """Each step's snapshot of the tied weights' gradients (so gradients accumulated before a step are not
+    summed over the stages twice) sees a gradient the optimizer cleared as cleared: it used to read the storage's
+    stale one, and every step after the first got this step's gradient minus the last one's."""
+    held = set()
+    for weights in run_distributed(_ddp_pipeline_steps, 2, lm_checkpoint, timeout=180):
+        held |= set(weights)
+        for name, (ours, theirs) in weights.items():
+            torch.testing.assert_close(ours, theirs, msg=lambda m, n=name: f"{n}: {m}")
+    assert {"transformer.wte.weight", "lm_head.weight"} <= held
