@@ -121,6 +121,22 @@ def build_tie_groups(model: nn.Module) -> None:
             model._tie_groups[source] = (holders, context.stage_group(holders))
 
 
+def agree_on_freezing(tied: list[tuple[torch.Tensor, object]], context) -> None:
+    """Freeze or unfreeze every copy of a weight tied across stages when one was: in transformers the copies are
+    one parameter, so ``model.get_input_embeddings().weight.requires_grad_(False)`` (which only the first stage
+    can run) freezes GPT2's ``lm_head`` too. At the start of a step each stage tells the others whether its copy
+    changed since the last step (all copies start each step alike, so a change goes one way)."""
+    for param, group in tied:
+        agreed = getattr(param, "_oslo_agreed_requires_grad", True)
+        changed = torch.tensor([int(param.requires_grad != agreed)], device=context.device)
+        dist.all_reduce(changed, group=group, op=dist.ReduceOp.MAX)
+        if changed.item():
+            param.requires_grad_(not agreed)
+            if agreed:  # frozen now: no gradient left for an optimizer to apply
+                param.grad = None
+        param._oslo_agreed_requires_grad = param.requires_grad
+
+
 def pipeline_gradient_reduction(
     model: nn.Module, average_replicas: bool = True, half: bool = False
 ) -> Callable[[bool], None]:
@@ -148,11 +164,14 @@ def pipeline_gradient_reduction(
             continue
         member = next(name for name in [source, *sorted(families[source])] if name in parameters)
         tied.append((parameters[member], group))
+    agree_on_freezing(tied, context)
     # (before any layer ran: a gradient the user's zero_grad cleared on the DTensor only is cleared here too)
     before = [grad.detach().clone() if (grad := current_grad(param)) is not None else None for param, _ in tied]
 
     def reduce(scaled: bool) -> None:
         for (param, group), previous in zip(tied, before, strict=True):
+            if not param.requires_grad:  # frozen on every stage that holds it (agree_on_freezing)
+                continue
             if trained_grad(param) is None:
                 if getattr(param, "_oslo_plain_leaf", False):
                     param._oslo_storage.grad = torch.zeros_like(param._oslo_storage)

@@ -452,3 +452,47 @@ def test_a_frozen_first_stage_runs_the_manual_loop(tmp_path, interleaved):
     names = run_distributed(_frozen_first_stage, 2, str(tmp_path), interleaved, timeout=120)
     trained = {name for stage in names for name in stage}
     assert trained and not any(name.startswith("transformer.h.0.") for name in trained)
+
+
+def _freeze_one_copy(rank, world_size, path):
+    """Freeze the input embeddings as a transformers user does (``get_input_embeddings()``: the first stage only
+    has them), train two steps, unfreeze through the last stage's copy (``get_output_embeddings()``), train one
+    more."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, pipeline_parallel_size=2, micro_batch_size=2)
+    model.train()
+    for each in (reference, model):
+        if each.get_input_embeddings() is not None:
+            each.get_input_embeddings().weight.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = torch.optim.SGD(reference.parameters(), lr=0.5)
+    flags = []
+    for seed in range(3):
+        if seed == 2:
+            for each in (reference, model):
+                if each.get_output_embeddings() is not None:
+                    each.get_output_embeddings().weight.requires_grad_(True)
+        optimizer.zero_grad()
+        for micro_output in model(**_batch(seed=seed)):
+            micro_output.loss.backward()
+        optimizer.step()
+        expected.zero_grad()
+        reference(**_batch(seed=seed)).loss.backward()
+        expected.step()
+        tied = model.transformer.wte.weight if rank == 0 else model.lm_head.weight
+        flags.append(tied.requires_grad)
+    ours = full_params(model)
+    weights = {name: (ours[name], param.detach())
+               for name, param in reference.named_parameters(remove_duplicate=False) if name in ours}
+    return flags, weights
+
+
+def test_freezing_one_copy_of_a_tied_weight_freezes_both(lm_checkpoint):
+    """In transformers GPT2's wte and lm_head are one parameter: freezing either freezes both. Under pipelines they
+    are two copies on two stages; the step tells the other stage, and the weights stay transformers' (SGD steps:
+    the frozen copy is not updated on either stage, and is again once unfrozen)."""
+    for flags, weights in run_distributed(_freeze_one_copy, 2, lm_checkpoint, timeout=180):
+        assert flags == [False, False, True]
+        assert {"transformer.wte.weight", "lm_head.weight"} & set(weights)
+        for name, (ours, theirs) in weights.items():
+            torch.testing.assert_close(ours, theirs, msg=lambda m, n=name: f"{n}: {m}")
