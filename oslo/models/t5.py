@@ -639,7 +639,14 @@ class _T5Stacks(StagedBody):
             hidden_states = self._shard(self.decoder.dropout(embeds), sharded)
         table = decoder_table if decoder_table is not None else self.decoder.position_table()
         length, past = self._length(hidden_states, sharded), state.past_length
-        position_bias = relative_position_bias(table, length, past + length, past, False, self.config)
+        # The keys the self-attentions read: the past and this call's, or a fixed-size cache's every slot (a
+        # StaticCache, generate(cache_implementation="static"); its unfilled slots are masked).
+        key_length = past + length
+        self_cache = state.cache.self_attention_cache if isinstance(state.cache, EncoderDecoderCache) else state.cache
+        if self_cache is not None and len(self.decoder.block):
+            first = next(iter(self.decoder.block)).layer[0].SelfAttention  # this stage's first decoder block
+            key_length = self_cache.get_mask_sizes(length, first.cache_idx)[0]
+        position_bias = relative_position_bias(table, length, key_length, past, False, self.config)
         heads = table.shape[1]
         cross_position_bias = torch.zeros((1, heads, length, encoder_output.shape[1]), device=hidden_states.device,
                                           dtype=hidden_states.dtype)

@@ -266,3 +266,21 @@ def _per_layer_outputs_under_pipelines(rank, world_size, path, encoder_path):
 def test_per_layer_outputs_when_a_stage_runs_no_layer(path, tmp_path):
     save_reference(transformers.T5EncoderModel, tiny_t5_config(), str(tmp_path))
     assert run_distributed(_per_layer_outputs_under_pipelines, 2, path, str(tmp_path), timeout=120) == ["ok"] * 2
+
+
+def _static_cache_generation(rank, world_size, path, tp, pp):
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path).eval()
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                                           pipeline_parallel_size=pp)
+    batch = tokens()
+    options = dict(max_new_tokens=6, cache_implementation="static")
+    with torch.no_grad():
+        torch.testing.assert_close(model.generate(**batch, **options), reference.generate(**batch, **options))
+    return "ok"
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_generate_with_a_static_cache(path, tp, pp):
+    """``cache_implementation="static"`` (a fixed-size cache, what a compiled generate uses): the decoder's
+    position bias spans every slot of the cache, as its keys and mask do (the unfilled ones masked)."""
+    assert run_distributed(_static_cache_generation, tp * pp, path, tp, pp) == ["ok"] * (tp * pp)
