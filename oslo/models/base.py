@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -43,6 +44,7 @@ from oslo.parallel.dtensor import (
     is_distributed,
     local_named_parameters,
     plain_leaves_module,
+    relink_storages,
     shared_views,
     trains_plain_leaves,
     undistribute_parameters,
@@ -353,6 +355,19 @@ class OsloPreTrainedModel(PreTrainedModel):
                 if watch is not None:  # a failure past the input check: see oslo.parallel.failure
                     watch.failed(exc)
                 raise
+
+    def __deepcopy__(self, memo):
+        """Another model on the same ranks and process groups (an EMA copy, say): its own parameters and
+        buffers, the parallel context shared (process groups cannot be copied, and need not be); each copied
+        DTensor computes on its own copied storage."""
+        memo[id(self.parallel_context)] = self.parallel_context
+        for _, group in self.__dict__.get("_tie_groups", {}).values():
+            memo[id(group)] = group
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        relink_storages(twin)
+        return twin
 
     def __getstate__(self):
         # A copy (copy.deepcopy, pickle) is another model: it takes its own key for compiled calls (__setstate__).

@@ -316,3 +316,32 @@ def test_a_whole_state_dict_loads_into_a_split_model(checkpoint):
     """``load_state_dict`` of transformers' whole tensors at tp=2: each parameter takes its slice (GPT2's fused
     c_attn block by block, the vocabulary padded), as the embedding layers PEFT saves beside an adapter load."""
     assert run_distributed(_load_whole_state_dict, 2, checkpoint) == [True, True]
+
+
+def _deep_copy(rank, world_size, path, tp, pp):
+    """``copy.deepcopy(model)`` (an EMA model, say): the same outputs, then trained on its own: the original's
+    outputs do not move, the copy's do."""
+    import copy
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                              pipeline_parallel_size=pp, micro_batch_size=4)
+    twin = copy.deepcopy(model)
+    assert twin.parallel_context is model.parallel_context
+    batch = global_batch()
+    with torch.no_grad():
+        before = model(**batch).logits
+        torch.testing.assert_close(twin(**batch).logits, before, rtol=0, atol=0)
+    twin.train()
+    optimizer = torch.optim.SGD(twin.parameters(), lr=LR)
+    output = twin(**batch)
+    for micro_output in (output if pp > 1 else [output]):
+        micro_output.loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, before, rtol=0, atol=0)
+        return bool((twin(**batch).logits - before).abs().max() > 1e-3)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_a_deep_copy_is_another_model_on_the_same_groups(checkpoint, tp, pp):
+    assert run_distributed(_deep_copy, tp * pp, checkpoint, tp, pp) == [True] * (tp * pp)
