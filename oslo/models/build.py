@@ -107,11 +107,26 @@ def build_empty(cls: type[OsloPreTrainedModel], config: PretrainedConfig, contex
         model = cls(config, parallel_context=context)  # whole, then pruned to its stage: see oslo.models.stages
     # Only this rank's shards are ever allocated. Leaving meta creates new parameter objects,
     # which unties shared weights: tie them again.
-    model = model.to(dtype).to_empty(device=context.device)
+    model = model.to(dtype)
+    keep_in_float32(model, dtype)
+    model = model.to_empty(device=context.device)
     model.tie_weights()
     ties.build_tie_groups(model)
     initialize_buffers(model)
     return model
+
+
+def keep_in_float32(model: OsloPreTrainedModel, dtype: torch.dtype) -> None:
+    """transformers' rule for a model built in half precision: the modules named in ``_keep_in_fp32_modules``
+    stay float32 in float16 (T5's ``wo``: real T5 checkpoints overflow float16 there), those in
+    ``_keep_in_fp32_modules_strict`` in float16 and bfloat16. A module is named by any part of its path."""
+    keep = set(model._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(model._keep_in_fp32_modules_strict or ())
+    if keep:
+        for name, module in model.named_modules():
+            if keep & set(name.split(".")):
+                module.to(torch.float32)
 
 
 @torch.no_grad()

@@ -387,6 +387,7 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     base_model_prefix = "transformer"
     _no_split_modules = ["T5Block"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
+    _keep_in_fp32_modules = ["wo"]  # as transformers: float32 in a float16 model (T5 overflows float16 there)
     _supports_sdpa = True
     _supports_attention_backend = True
     _supports_pipeline_parallel = True

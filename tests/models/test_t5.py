@@ -284,3 +284,26 @@ def test_generate_with_a_static_cache(path, tp, pp):
     """``cache_implementation="static"`` (a fixed-size cache, what a compiled generate uses): the decoder's
     position bias spans every slot of the cache, as its keys and mask do (the unfilled ones masked)."""
     assert run_distributed(_static_cache_generation, tp * pp, path, tp, pp) == ["ok"] * (tp * pp)
+
+
+def _float16(rank, world_size, path, tp, pp):
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path, dtype=torch.float16).eval()
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=torch.float16)
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    expected = {name: param.dtype for name, param in reference.named_parameters(remove_duplicate=False)}
+    assert dtypes == {name: expected[name] for name in dtypes}
+    assert {dtype for name, dtype in dtypes.items() if ".wo." in name} == {torch.float32}
+    batch = seq2seq_batch()
+    with torch.no_grad():
+        # tensor parallelism sums float16 partial products in another order: float16's resolution, not fp32's
+        tolerance = {} if tp == 1 else {"atol": 2e-3, "rtol": 1e-2}
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, **tolerance)
+    return "ok"
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_float16_keeps_wo_in_float32(path, tp, pp):
+    """transformers' ``_keep_in_fp32_modules = ["wo"]``: loaded in float16, T5's feed-forward output projections
+    stay float32 (real T5 checkpoints overflow float16 there), and the logits are transformers' float16 ones."""
+    assert run_distributed(_float16, tp * pp, path, tp, pp) == ["ok"] * (tp * pp)
