@@ -300,3 +300,44 @@ def _groups_used(rank, world_size, path, target):
 def test_oslo_collectives_use_the_contexts_groups(lm_checkpoint, tmp_path):
     for calls in run_distributed(_groups_used, 2, lm_checkpoint, str(tmp_path / "out")):
         assert calls and not [name for name, default in calls if default], calls
+
+
+def _train_and_save_on_rank_0(rank, world_size, path, target):
+    """transformers' data-parallel idiom: two replicas of an unsplit model (its parameters are DTensors), one SGD
+    step, ``save_pretrained`` on rank 0 only."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+    optimizer.step()
+    if rank == 0:
+        model.save_pretrained(target)
+    return full_params(model)
+
+
+def test_save_pretrained_with_data_parallel_replicas(lm_checkpoint, tmp_path):
+    weights = run_distributed(_train_and_save_on_rank_0, 2, lm_checkpoint, str(tmp_path))[0]
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param.detach(), weights[name], rtol=0, atol=0, msg=name)
+
+
+def _load_transformers_state_dict(rank, world_size, path, other, tp, pp):
+    from safetensors.torch import load_file
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                              pipeline_parallel_size=pp)
+    model.load_state_dict(load_file(os.path.join(other, "model.safetensors")), strict=False)
+    with torch.no_grad():
+        return model(INPUT_IDS).logits
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_a_transformers_state_dict_reaches_the_tied_copy_under_pipelines(lm_checkpoint, tmp_path, tp, pp):
+    """transformers' files hold GPT2's wte, not the tied lm_head (in one process the same parameter): under
+    pipelines the last stage's copy takes wte's value from the state dict too, and the logits are the file's."""
+    run_distributed(lambda rank, world_size: save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(),
+                                                            tmp_path, seed=1) and None, 1)
+    results = run_distributed(_load_transformers_state_dict, tp * pp, lm_checkpoint, str(tmp_path), tp, pp)
+    expected = _reference_logits(str(tmp_path))
+    for logits in results:
+        torch.testing.assert_close(logits, expected)

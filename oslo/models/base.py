@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -793,7 +794,22 @@ class OsloPreTrainedModel(PreTrainedModel):
                 "save_pretrained_with_parallel(save_directory, save_with_merging=True) on every rank for a "
                 "plain transformers checkpoint (or without save_with_merging for a split one)."
             )
+        if is_distributed(self) and kwargs.get("state_dict") is None:
+            # Data-parallel replicas of an unsplit model: its DTensors hold the whole weights (what safetensors
+            # cannot write as DTensors): the plain tensors under the same names.
+            kwargs["state_dict"] = {name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                                    for name, tensor in self.state_dict().items()}
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; under pipelines a copy of a weight tied across stages (GPT2's
+        ``lm_head`` on the last stage) that the state dict lacks takes its twin's value when the state dict has
+        that: transformers' files never hold the tied copy, which in one process is the same parameter."""
+        copies = self.cross_stage_tied_copies() if self.parallel_context.pipeline_parallel_size > 1 else {}
+        missing = {copy: twin for copy, twin in copies.items() if copy not in state_dict and twin in state_dict}
+        if missing:
+            state_dict = {**state_dict, **{copy: state_dict[twin] for copy, twin in missing.items()}}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def save_pretrained_with_parallel(
         self,
