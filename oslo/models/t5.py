@@ -745,9 +745,8 @@ class _T5Encoder:
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, **kwargs) -> BaseModelOutput:
-        unknown = sorted(name for name, value in kwargs.items() if value is not None)
-        if unknown:
-            raise TypeError(f"T5's encoder got unexpected arguments {unknown}")
+        # Other arguments are ignored, as transformers' T5Stack ignores them: generate() hands an encoder that
+        # takes **kwargs every model argument it has (labels, for Seq2SeqTrainer's predict_with_generate).
         with self.model._user_call((), dict(input_ids=input_ids, attention_mask=attention_mask,
                                             inputs_embeds=inputs_embeds)):
             return self.model._encode(input_ids, attention_mask, inputs_embeds, output_attentions,

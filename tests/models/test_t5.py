@@ -307,3 +307,14 @@ def test_float16_keeps_wo_in_float32(path, tp, pp):
     """transformers' ``_keep_in_fp32_modules = ["wo"]``: loaded in float16, T5's feed-forward output projections
     stay float32 (real T5 checkpoints overflow float16 there), and the logits are transformers' float16 ones."""
     assert run_distributed(_float16, tp * pp, path, tp, pp) == ["ok"] * (tp * pp)
+
+
+def test_generate_ignores_labels_as_transformers_does(path):
+    """``generate(..., labels=...)`` (Seq2SeqTrainer's ``predict_with_generate`` passes the batch's labels):
+    transformers' encoder ignores them, and so does oslo's."""
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(path)
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path)
+    batch = seq2seq_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model.generate(**batch, max_new_tokens=4),
+                                   reference.generate(**batch, max_new_tokens=4))
