@@ -35,6 +35,13 @@ def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataPar
             "model as DistributedDataParallel(model.gpu_modules(), "
             "process_group=model.mpu.get_data_parallel_group())."
         )
+    if getattr(ddp, "gradient_as_bucket_view", False):
+        raise ValueError(
+            "DistributedDataParallel(..., gradient_as_bucket_view=True) is not supported: DDP then moves each "
+            "gradient into its buckets after the model's parameters took it, and an optimizer over "
+            "model.parameters() would step on the gradients before averaging. Leave gradient_as_bucket_view=False "
+            "(the default)."
+        )
     return ddp
 
 

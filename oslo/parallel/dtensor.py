@@ -787,6 +787,17 @@ class _PlainLeaves(nn.Module):
         # list; an optimizer over model_ddp.parameters() must not see each weight twice).
         return super().named_parameters(prefix, recurse=False, remove_duplicate=remove_duplicate)
 
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        # Itself only. A wrapper walks its submodules through this (DDP's parameters() and buffers() on the
+        # wrapped module): past here it would reach the model's modules, whose DTensors are the same weights again
+        # (an optimizer over model_ddp.parameters() applied every update twice). children() still holds the model:
+        # train(), eval(), to() and state_dict() reach it.
+        memo = set() if memo is None else memo
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)

@@ -250,3 +250,22 @@ def test_ddp_pipeline_steps_after_zero_grad_on_the_dtensors(lm_checkpoint):
         for name, (ours, theirs) in weights.items():
             torch.testing.assert_close(ours, theirs, msg=lambda m, n=name: f"{n}: {m}")
     assert {"transformer.wte.weight", "lm_head.weight"} <= held
+
+
+def _ddp_wrapper_parameters(rank, world_size, path, batch):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2).train()
+    model_ddp = DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())
+    # each weight once: the plain shards DDP trains, not also the model's DTensors (the same memory)
+    assert [id(p) for p in model_ddp.parameters()] == [id(p) for p in model.gpu_parameters()]
+    assert len(list(model_ddp.parameters())) == len(list(model.parameters()))
+    bucket_views = DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group(),
+                                           gradient_as_bucket_view=True)
+    with pytest.raises(ValueError, match=r"gradient_as_bucket_view=True\) is not supported"):
+        bucket_views(**batch)
+
+
+def test_the_ddp_wrapper_lists_each_weight_once_and_refuses_bucket_views(zoo_checkpoints):
+    """``model_ddp.parameters()`` (an optimizer or a norm over the wrapper) sees each weight once;
+    ``gradient_as_bucket_view=True``, under which the model's gradients would miss DDP's average, is refused
+    with the fix."""
+    run_distributed(_ddp_wrapper_parameters, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))
