@@ -284,6 +284,14 @@ class OsloPreTrainedModel(PreTrainedModel):
                 "USAGE.md, 'Pipeline parallelism'; the Trainer works at pipeline_parallel_size=1."
             )
         if context.tensor_parallel_size == 1:
+            if context.data_parallel_size > 1 and is_distributed(self) and not trains_plain_leaves(self):
+                raise NotImplementedError(
+                    f"transformers' Trainer cannot train {type(self).__name__} itself with "
+                    f"{context.data_parallel_size} data-parallel replicas: accelerate wraps the model in "
+                    "DistributedDataParallel, which cannot reduce its DTensor parameters. Hand the Trainer "
+                    "model.gpu_modules() (the same model, its plain shards as the parameters DDP averages): "
+                    "Trainer(model=model.gpu_modules(), args=..., ...) with remove_unused_columns=False."
+                )
             return None
         refusal = _accelerate_refuses_parallelism_config()
         if refusal is not None:

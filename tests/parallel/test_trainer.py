@@ -181,3 +181,35 @@ def test_trainer_with_peft_equals_one_process(checkpoint, tmp_path, method):
         assert sorted(state) == sorted(expected)
         for name, value in state.items():
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _data_parallel_trainer(rank, world_size, path, output_dir):
+    _fresh_accelerate_state()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path)
+    arguments = _arguments(output_dir, ROWS // world_size)
+    try:
+        transformers.Trainer(model=model, args=arguments, train_dataset=_Rows())
+    except NotImplementedError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    _fresh_accelerate_state()
+    arguments = _arguments(output_dir, ROWS // world_size)
+    arguments.remove_unused_columns = False  # the wrapper's forward takes **kwargs
+    trainer = transformers.Trainer(model=model.gpu_modules(), args=arguments, train_dataset=_Rows())
+    trainer.train()
+    return refused, full_params(model)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_with_data_parallel_replicas_only(checkpoint, reference, tmp_path):
+    """Tensor parallel size 1, two replicas: accelerate wraps the model in its own DDP, which cannot reduce DTensor
+    parameters, so Trainer(model=model) is refused naming model.gpu_modules(); handed that, the Trainer gives one
+    process's weights (each weight once in its gradient norm and clipping). (The logged loss is accelerate's mean
+    of the replicas' means, as for transformers' model under DDP, not the global batch's mean.)"""
+    _, expected = reference
+    for refused, params in run_distributed(_data_parallel_trainer, 2, checkpoint, str(tmp_path), timeout=110):
+        assert refused is not None and "Trainer(model=model.gpu_modules()" in refused, refused
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
