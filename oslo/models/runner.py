@@ -181,6 +181,14 @@ def forward_with_head(
             outputs = body(**inputs, cache=cache, use_cache=use_cache, return_dict=True, **body_kwargs)
         values = head(outputs, inputs, head_inputs, True)
         loss_accounting.average_losses(values, batch, loss_items, num_items_in_batch, divisors, on_backward)
+        if not has_loss_inputs and loss_accounting.averages_replicas_itself(model, ddp, fsdp) \
+                and not torch.compiler.is_compiling():
+            # The caller computes the loss from the outputs (transformers' Trainer with label smoothing or a
+            # compute_loss_func pops the labels): the backward through them averages over the replicas too.
+            watched = next((value for value in values.values()
+                            if isinstance(value, torch.Tensor) and value.requires_grad), None)
+            if watched is not None:
+                watched.register_hook(loss_accounting.replica_averaging(model))
         output = output_class(**with_body_fields(values, outputs))
         return output if return_dict else output.to_tuple()
 

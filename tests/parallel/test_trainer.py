@@ -213,3 +213,30 @@ def test_trainer_with_data_parallel_replicas_only(checkpoint, reference, tmp_pat
         for name, value in params.items():
             source = "transformer.wte.weight" if name == "lm_head.weight" else name
             torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _smoothed_run(rank, world_size, path, output_dir, tp):
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    if tp > 1:
+        _accelerate_takes_cpu(Accelerator)
+        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    else:
+        model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    arguments = _arguments(output_dir, ROWS // (world_size // tp))
+    arguments.label_smoothing_factor = 0.1
+    transformers.Trainer(model=model, args=arguments, train_dataset=_Rows()).train()
+    return full_params(model) if tp > 1 else {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_the_trainer_computes_itself_is_averaged_over_the_replicas(checkpoint, tmp_path):
+    """With label smoothing (or a compute_loss_func) the Trainer calls the model without labels and computes the
+    loss from the logits: the backward through them averages the gradients over the data-parallel replicas too
+    (tensor parallel 2 x data parallel 2 against one process on the global batch)."""
+    (expected,) = run_distributed(_smoothed_run, 1, checkpoint, str(tmp_path / "reference"), 1)
+    for params in run_distributed(_smoothed_run, 4, checkpoint, str(tmp_path / "oslo"), 2, timeout=110):
+        for name, value in params.items():
+            source = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
