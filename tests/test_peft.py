@@ -11,6 +11,7 @@ import copy
 import shutil
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -232,6 +233,13 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
         if dist.is_initialized():  # (a model of one process has no group)
             dist.barrier()
         assert sorted(os.listdir(f"{tmp}/ours")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        if rank == 0:  # the file holds what PEFT's on transformers holds (the base weights it saves beside, too)
+            theirs.save_pretrained(f"{tmp}/theirs")
+            saved, expected_file = (safetensors.torch.load_file(f"{tmp}/{who}/adapter_model.safetensors")
+                                    for who in ("ours", "theirs"))
+            assert sorted(saved) == sorted(expected_file)
+            for key in (key for key in expected_file if "lora_" not in key and "ia3_" not in key):
+                torch.testing.assert_close(saved[key], expected_file[key], msg=lambda m, k=key: f"{k}: {m}")
         reloaded = peft.PeftModel.from_pretrained(getattr(transformers, name).from_pretrained(f"{tmp}/base"),
                                                   f"{tmp}/ours")
         compare_outputs(reloaded(**batch), adapted, f"{name} saved, loaded by transformers")

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from oslo.checkpoint import StagedSave
 from oslo.parallel.dtensor import distribute_parameters, local, relink_storages, unblock, undistribute_parameters
 from oslo.parallel.errors import RankFailedError, naming_timeouts
-from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from oslo.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -1581,6 +1581,19 @@ def _install_copies_and_saves() -> None:
         return _whole_adapter(state_dict_of(model, *args, **kwargs), _oslo_model(model))
 
     peft.peft_model.get_peft_model_state_dict = whole_adapter
+
+    # An adapted embedding or LM head is saved with its base weights when PEFT saves embedding layers (a LoRA on
+    # GPT2's tied lm_head): PEFT looks for an nn.Linear or nn.Embedding base layer, oslo's are vocabulary-split.
+    import peft.utils.save_and_load as save_and_load
+
+    valid_base = save_and_load.has_valid_embedding_base_layer
+
+    @functools.wraps(valid_base)
+    def valid_oslo_base(layer):
+        return valid_base(layer) or isinstance(getattr(layer, "base_layer", None),
+                                               VocabParallelEmbedding | VocabParallelLMHead)
+
+    save_and_load.has_valid_embedding_base_layer = valid_oslo_base
 
     # An adapter of an oslo model is saved like oslo's checkpoints: staged beside the target, written by rank 0,
     # published in one atomic exchange (a save killed at any instant leaves the old adapter or the new one).
