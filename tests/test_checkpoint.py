@@ -321,6 +321,10 @@ def test_save_pretrained_with_data_parallel_replicas(lm_checkpoint, tmp_path):
         torch.testing.assert_close(param.detach(), weights[name], rtol=0, atol=0, msg=name)
 
 
+def _save_other_weights(rank, world_size, path) -> None:
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), path, seed=1)
+
+
 def _load_transformers_state_dict(rank, world_size, path, other, tp, pp):
     from safetensors.torch import load_file
 
@@ -335,8 +339,7 @@ def _load_transformers_state_dict(rank, world_size, path, other, tp, pp):
 def test_a_transformers_state_dict_reaches_the_tied_copy_under_pipelines(lm_checkpoint, tmp_path, tp, pp):
     """transformers' files hold GPT2's wte, not the tied lm_head (in one process the same parameter): under
     pipelines the last stage's copy takes wte's value from the state dict too, and the logits are the file's."""
-    run_distributed(lambda rank, world_size: save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(),
-                                                            tmp_path, seed=1) and None, 1)
+    run_distributed(_save_other_weights, 1, str(tmp_path))
     results = run_distributed(_load_transformers_state_dict, tp * pp, lm_checkpoint, str(tmp_path), tp, pp)
     expected = _reference_logits(str(tmp_path))
     for logits in results:

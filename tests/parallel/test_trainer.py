@@ -66,6 +66,22 @@ def _accelerate_takes_cpu(monkeypatch_target) -> None:
         self.use_distributed and self.distributed_type == DistributedType.MULTI_CPU))
 
 
+def _refusal(model, arguments) -> str | None:
+    """The message of the ``NotImplementedError`` that ``Trainer(model=model, ...)`` raises, or ``None``."""
+    try:
+        transformers.Trainer(model=model, args=arguments, train_dataset=_Rows())
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def _assert_same_weights(params: dict, expected: dict) -> None:
+    """oslo's whole weights equal transformers' (the last stage's tied lm_head is transformers' wte)."""
+    for name, value in params.items():
+        source = "transformer.wte.weight" if name == "lm_head.weight" else name
+        torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _trainer_run(rank, world_size, path, output_dir, tp):
     from accelerate import Accelerator
 
@@ -73,12 +89,7 @@ def _trainer_run(rank, world_size, path, output_dir, tp):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
     dp = world_size // tp
     arguments = _arguments(output_dir, ROWS // dp)
-    try:
-        transformers.Trainer(model=model, args=arguments, train_dataset=_Rows())
-    except NotImplementedError as exc:
-        refused = str(exc)
-    else:
-        refused = None
+    refused = _refusal(model, arguments)
     _fresh_accelerate_state()
     _accelerate_takes_cpu(Accelerator)
     trainer = transformers.Trainer(model=model, args=_arguments(output_dir, ROWS // dp), train_dataset=_Rows())
@@ -111,9 +122,7 @@ def test_trainer_equals_one_process(checkpoint, reference, tmp_path, tp, dp):
         # On CPU, accelerate refuses the ParallelismConfig: a clear error at Trainer(...), naming the loop.
         assert refused is not None and "MULTI_CPU" in refused and "model.gpu_modules()" in refused, refused
         assert losses == pytest.approx(expected_losses, rel=1e-5)
-        for name, value in params.items():
-            source = "transformer.wte.weight" if name == "lm_head.weight" else name
-            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+        _assert_same_weights(params, expected)
 
 
 def _pipeline_trainer(rank, world_size, path, output_dir):
@@ -187,12 +196,7 @@ def _data_parallel_trainer(rank, world_size, path, output_dir):
     _fresh_accelerate_state()
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path)
     arguments = _arguments(output_dir, ROWS // world_size)
-    try:
-        transformers.Trainer(model=model, args=arguments, train_dataset=_Rows())
-    except NotImplementedError as exc:
-        refused = str(exc)
-    else:
-        refused = None
+    refused = _refusal(model, arguments)
     _fresh_accelerate_state()
     arguments = _arguments(output_dir, ROWS // world_size)
     arguments.remove_unused_columns = False  # the wrapper's forward takes **kwargs
@@ -210,9 +214,7 @@ def test_trainer_with_data_parallel_replicas_only(checkpoint, reference, tmp_pat
     _, expected = reference
     for refused, params in run_distributed(_data_parallel_trainer, 2, checkpoint, str(tmp_path), timeout=110):
         assert refused is not None and "Trainer(model=model.gpu_modules()" in refused, refused
-        for name, value in params.items():
-            source = "transformer.wte.weight" if name == "lm_head.weight" else name
-            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+        _assert_same_weights(params, expected)
 
 
 def _smoothed_run(rank, world_size, path, output_dir, tp):
@@ -237,6 +239,4 @@ def test_a_loss_the_trainer_computes_itself_is_averaged_over_the_replicas(checkp
     (tensor parallel 2 x data parallel 2 against one process on the global batch)."""
     (expected,) = run_distributed(_smoothed_run, 1, checkpoint, str(tmp_path / "reference"), 1)
     for params in run_distributed(_smoothed_run, 4, checkpoint, str(tmp_path / "oslo"), 2, timeout=110):
-        for name, value in params.items():
-            source = "transformer.wte.weight" if name == "lm_head.weight" else name
-            torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+        _assert_same_weights(params, expected)
