@@ -215,7 +215,12 @@ _parameter_names_of: dict[Callable, tuple[str, ...]] = {}
 
 
 def _parameter_names(forward: Callable) -> tuple[str, ...]:
-    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class)."""
+    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class).
+
+    A compiled call reads the signature without the cache: it would guard on the cache's contents, which its own
+    first run changes, and recompile the second call."""
+    if torch.compiler.is_compiling():
+        return tuple(inspect.signature(forward).parameters)[1:]
     names = _parameter_names_of.get(forward)
     if names is None:
         names = _parameter_names_of[forward] = tuple(inspect.signature(forward).parameters)[1:]
@@ -318,9 +323,11 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
         counted = f"a row of its attention mask holds {needed} tokens"
     else:
         needed = past + length
-        counted = f"{length} tokens after {past} cached"
+        counted = None  # written only for an error: formatting a compiled call's length would fix it to one value
     if needed <= positions:
         return None
+    if counted is None:
+        counted = f"{length} tokens after {past} cached"
     return IndexError(message.format(found=f"position {needed - 1} ({counted})"))
 
 

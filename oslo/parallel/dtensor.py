@@ -321,14 +321,23 @@ class _LocalView(torch.autograd.Function):
         return _wrap(_local_of(total, dt._oslo_spec), dt), None
 
 
-_shared = threading.local()  # .views: id(DTensor) -> (DTensor, its view) during a model call
+class _Shared(threading.local):
+    """``views``: id(DTensor) -> (DTensor, its view) during a model call, ``None`` outside one. Set in
+    ``__init__``, which runs in each thread on its first use, so the attribute exists before any call: a compiled
+    call guards on what it read, and an attribute first set by the first call would recompile the second."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, tuple[DTensor, torch.Tensor]] | None = None
+
+
+_shared = _Shared()
 
 
 @contextmanager
 def shared_views() -> Iterator[None]:
     """Within the block every layer computing on a DTensor parameter gets the same local view of it (one
     :class:`_LocalView`, one :class:`GradientSink`): what a model call runs in."""
-    outer = getattr(_shared, "views", None)
+    outer = _shared.views
     _shared.views = {} if outer is None else outer
     try:
         yield
@@ -337,7 +346,7 @@ def shared_views() -> Iterator[None]:
 
 
 def _view(param: DTensor) -> torch.Tensor:
-    views = getattr(_shared, "views", None)
+    views = _shared.views
     if views is not None:
         known = views.get(id(param))
         if known is not None and known[0] is param:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch._dynamo.testing import CompileCounter
 
 import oslo
 from oslo.parallel.dtensor import plain
@@ -80,6 +81,53 @@ def test_compiled_calls_equal_eager(case):
     torch._dynamo.reset()
     check_compiled_calls(getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train(),
                          case)
+
+
+ANCHORS = [case for case in CASES if case.anchor]
+
+
+def compile_counts(model, case) -> list[int]:
+    """How many graphs ``torch.compile(model, fullgraph=True)`` has traced after each of: three training steps on
+    the case's batch (two accumulated calls each, then an optimizer step), then batches cut to three other
+    lengths, then an evaluation call and a training call again. Dynamo's own rule for what a user should see:
+    one graph for the steps; one more at the second length, whose sequence dimension it then makes dynamic, and
+    none after; one for evaluation mode, kept beside the training one."""
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = case.batch()
+    counts = []
+    for _ in range(3):
+        for _ in range(2):
+            case.loss(compiled(**batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        counts.append(counter.frame_count)
+    for cut in (1, 2, 3):
+        shorter = {name: value[:, :value.shape[1] - cut] for name, value in batch.items()}
+        case.loss(compiled(**shorter)).backward()
+        counts.append(counter.frame_count)
+    model.eval()
+    with torch.no_grad():
+        compiled(**batch)
+    counts.append(counter.frame_count)
+    model.train()
+    case.loss(compiled(**batch)).backward()
+    counts.append(counter.frame_count)
+    return counts
+
+
+EXPECTED_COUNTS = [1, 1, 1, 2, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("case", ANCHORS, ids=lambda case: case.arch)
+def test_a_compiled_model_is_traced_once_per_shape_and_mode(case):
+    """A compiled model is not traced again by its own calls: the state oslo keeps between calls (a cache of
+    forward signatures, the per-call parameter views) and the input checks' messages (which would fix a length
+    to one value) stay out of Dynamo's guards. On a GPU each trace is an inductor compile."""
+    torch._dynamo.reset()
+    model = getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train()
+    assert compile_counts(model, case) == EXPECTED_COUNTS
 
 
 def _gpt2_with_dropout():

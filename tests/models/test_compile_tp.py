@@ -20,7 +20,14 @@ import oslo
 from oslo.parallel import InputMismatchError
 from oslo.parallel.dtensor import plain
 from tests.distributed import run_distributed
-from tests.models.test_compile import CASES, _small_config, check_compiled_calls
+from tests.models.test_compile import (
+    ANCHORS,
+    CASES,
+    EXPECTED_COUNTS,
+    _small_config,
+    check_compiled_calls,
+    compile_counts,
+)
 
 ARCHS = list(dict.fromkeys(case.arch for case in CASES))
 
@@ -60,6 +67,27 @@ def test_sequence_parallel_compiles_whole_at_tp2(arch):
     Llama (GPT-Neo, Qwen2 and Mistral compile the same mappings)."""
     case = next(c for c in CASES if c.arch == arch and c.anchor)
     assert run_distributed(_sequence_parallel_compiled, 2, arch, timeout=900) == [case.key] * 2
+
+
+TRACED_AT_TP2 = [case for case in ANCHORS if case.arch in ("gpt2", "t5")]
+
+
+def _compile_counts(rank, world_size):
+    counts = {}
+    for case in TRACED_AT_TP2:
+        torch._dynamo.reset()
+        model = getattr(oslo, case.name).from_config_with_parallel(
+            _small_config(case), tensor_parallel_size=2, seed=0).train()
+        counts[case.arch] = compile_counts(model, case)
+    return counts
+
+
+def test_a_compiled_model_is_traced_once_per_shape_and_mode_at_tp2():
+    """As at size 1 (``tests/models/test_compile.py``): steps, other lengths, evaluation. What tensor parallelism
+    adds (the DTensor parameters' per-call views) is the same code in every architecture: a decoder and an
+    encoder-decoder stand for them."""
+    expected = {case.arch: EXPECTED_COUNTS for case in TRACED_AT_TP2}
+    assert run_distributed(_compile_counts, 2, timeout=600) == [expected, expected]
 
 
 def _gpt2(dropout: float = 0.0):
