@@ -435,6 +435,19 @@ class OsloPreTrainedModel(PreTrainedModel):
         with self._user_call(args, kwargs):
             return super().generate(*args, **kwargs)
 
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers compiles the decoding step itself when a compilable cache (``cache_implementation=
+        "static"``) is used on a GPU, or as ``compile_config`` asks: not with pipelines, whose calls cannot be
+        traced (their stages exchange activations point to point); those steps run eagerly."""
+        if self.parallel_context.pipeline_parallel_size > 1:
+            if generation_config.compile_config is not None:
+                logger.warning(
+                    "oslo: generate() ignores compile_config with pipeline_parallel_size=%d: a pipelined call "
+                    "cannot be traced by torch.compile, so the decoding steps run eagerly.",
+                    self.parallel_context.pipeline_parallel_size)
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
     def fuse(self, modules: Iterable[type[nn.Module]] | None = None):
         """Switch modules to oslo's fused kernels (Triton on CUDA, the torch reference on CPU).
 

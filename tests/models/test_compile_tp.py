@@ -90,6 +90,38 @@ def test_a_compiled_model_is_traced_once_per_shape_and_mode_at_tp2():
     assert run_distributed(_compile_counts, 2, timeout=600) == [expected, expected]
 
 
+def _static_cache_generate(rank, world_size, tp, pp):
+    from transformers import CompileConfig
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32)
+    model = oslo.GPT2LMHeadModel.from_config_with_parallel(
+        config, tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=0).eval()
+    ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(0))
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+    eager = model.generate(ids, disable_compile=True, **options)
+    traced = []
+
+    def backend(graph, example_inputs, **options):  # transformers passes its mode ("reduce-overhead") too
+        traced.append(graph)
+        return graph.forward
+
+    compile_config = CompileConfig(backend=backend, fullgraph=True)
+    compile_config._compile_all_devices = True  # what a CUDA device means to transformers' generate()
+    compiled = model.generate(ids, compile_config=compile_config, **options)
+    return torch.equal(compiled, eager), len(traced)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_generate_with_a_static_cache_as_on_a_gpu(tp, pp):
+    """On a GPU, transformers' generate() compiles the decoding step by itself when the cache is static. With
+    tensor parallelism the compiled steps give eager's tokens; with pipelines, whose calls cannot be traced, the
+    steps stay eager (they would fail to compile) and give the same tokens."""
+    results = run_distributed(_static_cache_generate, tp * pp, tp, pp, timeout=300)
+    for same, traced in results:
+        assert same
+        assert (traced > 0) == (pp == 1)
+
+
 def _gpt2(dropout: float = 0.0):
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32,
                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
