@@ -342,8 +342,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         to the input check, whose all-gather carries it, so ranks given other ids raise too; a nested
         call (generate()'s steps), whose inputs every rank shares, raises before it communicates."""
         context = self.parallel_context
-        if is_distributed(self) and trains_plain_leaves(self):
-            follow_storages(self)  # DeepSpeed's ZeRO may have moved the trained storages
+        if is_distributed(self) and trains_plain_leaves(self) and not torch.compiler.is_compiling():
+            # DeepSpeed's ZeRO may have moved the trained storages. Not traced: a compiled call (of a DDP wrapper)
+            # computes on the storages themselves, and the DTensors follow at the next eager call or state_dict().
+            follow_storages(self)
         with self._model_call() as outermost:
             # (A traced call begins its watch when the compiled program runs: see agreement.agreed_inputs.)
             watch = call_watch(context) if outermost and not torch.compiler.is_compiling() else None

@@ -122,6 +122,33 @@ def test_generate_with_a_static_cache_as_on_a_gpu(tp, pp):
         assert (traced > 0) == (pp == 1)
 
 
+def _ddp_steps(rank, world_size, compiled):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _gpt2().train()
+    model_ddp = DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())
+    call = torch.compile(model_ddp, backend="eager") if compiled else model_ddp
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randint(0, 101, (3, 2, 8), generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for ids in data:
+            call(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: plain(p).detach().clone() for name, p in model.named_parameters()}
+
+
+def test_compiled_ddp_wrapper_trains_as_eager():
+    """``torch.compile(DistributedDataParallel(model.gpu_modules()))`` (tp 2; DDP's own graph breaks, as with
+    any model) trains to the eager wrapper's weights without tracing a function once per parameter: no frame is
+    compiled more than twice (Dynamo's limit is 8, after which it runs the frame eagerly with a warning)."""
+    eager = run_distributed(_ddp_steps, 2, False)
+    compiled = run_distributed(_ddp_steps, 2, True, timeout=300)
+    for rank in range(2):
+        for name, weight in eager[rank].items():
+            torch.testing.assert_close(compiled[rank][name], weight, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _gpt2(dropout: float = 0.0):
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32,
                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
