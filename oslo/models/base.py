@@ -553,10 +553,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         or :meth:`from_config_with_parallel`): the embedding and the tied head then have ``N`` rows, the new
         ones initialized from the seed identically at every layout."""
         size = args[0] if args else kwargs.get("new_num_tokens")
+        layout = ", split across its tensor-parallel ranks" if self.parallel_context.tensor_parallel_size > 1 else ""
         raise NotImplementedError(
-            f"{type(self).__name__}.resize_token_embeddings() cannot resize a vocabulary that is already split "
-            f"across ranks. Pass resize_token_embeddings={size if size is not None else 'N'} to "
-            "from_pretrained_with_parallel (or from_config_with_parallel) to build the model at that size."
+            f"{type(self).__name__}.resize_token_embeddings() cannot resize a built oslo model: its vocabulary "
+            f"layers (oslo's, not nn.Embedding{layout}) are built at their final size. Pass "
+            f"resize_token_embeddings={size if size is not None else 'N'} to from_pretrained_with_parallel (or "
+            "from_config_with_parallel) to build the model at that size (e.g. len(tokenizer) after adding tokens)."
         )
 
     # ---- activation checkpointing ------------------------------------------------------------
