@@ -138,6 +138,10 @@ class ParallelRNG:
 
         def run(*args, **kwargs) -> T:
             nonlocal snapshot
+            if torch.compiler.is_compiling():
+                # A compiled call draws dropout from the default generator, and the compiled checkpoint replays
+                # its draws itself; the snapshot (state kept outside the checkpointed region) cannot be traced.
+                return function(*args, **kwargs)
             if snapshot is None:
                 states = dict(self._states)
                 if self._active is not None:  # the active stream lives in the device's generator
