@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [all|tests|bench] [OUTPUT_DIR]     # default: all, $OUT or ./gpu_output
 #
 # Each step has its own time limit and writes its log to OUTPUT_DIR; a failing step does not stop the
-# next. The three test files run at once; the benchmarks (benchmarks/fused_loss.py's GPU part, then
+# next. The test files run at once; the benchmarks (benchmarks/fused_loss.py's GPU part, then
 # benchmarks/gpu_step.py) run alone, one after the other. Runs from a checkout without installing it
 # (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default 360) bounds benchmarks/gpu_step.py; GPU_STEP_ARGS adds
 # arguments to it (--skip-compile: the eager variants and generation alone, about a minute). The tests that
@@ -35,9 +35,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$out/device.txt"
 
-if [ "$part" != bench ]; then  # five pytest processes at once: the GPU and 16 cores hold them, nothing is timed
+if [ "$part" != bench ]; then  # six pytest processes at once: the GPU and 16 cores hold them, nothing is timed
     step tests_device 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_device_dtype.py -k cuda &
     step tests_gloo_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_gloo.py &
+    # Inductor on CUDA traces a model once per shape and mode (three inductor compiles; 31 s on the 2-core CPU VM).
+    step tests_compile_cuda 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_compile.py -k cuda &
     # The kernel tests in three parts: on a fresh machine Triton builds a launcher per kernel (one process took
     # over 200 s; three took 114 s on an H100).
     step tests_kernels_ngram 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_ngram.py &

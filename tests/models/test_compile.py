@@ -86,16 +86,17 @@ def test_compiled_calls_equal_eager(case):
 ANCHORS = [case for case in CASES if case.anchor]
 
 
-def compile_counts(model, case) -> list[int]:
+def compile_counts(model, case, backend=None, device: str = "cpu") -> list[int]:
     """How many graphs ``torch.compile(model, fullgraph=True)`` has traced after each of: three training steps on
     the case's batch (two accumulated calls each, then an optimizer step), then batches cut to three other
     lengths, then an evaluation call and a training call again. Dynamo's own rule for what a user should see:
     one graph for the steps; one more at the second length, whose sequence dimension it then makes dynamic, and
-    none after; one for evaluation mode, kept beside the training one."""
-    counter = CompileCounter()
+    none after; one for evaluation mode, kept beside the training one. ``backend``: the compiler each traced graph
+    goes to (``None``: none, the graph runs as traced); ``device``: where the batch goes."""
+    counter = CompileCounter() if backend is None else _CountingBackend(backend)
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    batch = case.batch()
+    batch = {name: value.to(device) for name, value in case.batch().items()}
     counts = []
     for _ in range(3):
         for _ in range(2):
@@ -117,6 +118,18 @@ def compile_counts(model, case) -> list[int]:
     return counts
 
 
+class _CountingBackend:
+    """A compiler backend that counts the graphs it is handed (``frame_count``, as ``CompileCounter``) and compiles
+    them with ``backend``."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.frame_count = backend, 0
+
+    def __call__(self, graph, example_inputs):
+        self.frame_count += 1
+        return self.backend(graph, example_inputs)
+
+
 EXPECTED_COUNTS = [1, 1, 1, 2, 2, 2, 3, 3]
 
 
@@ -128,6 +141,18 @@ def test_a_compiled_model_is_traced_once_per_shape_and_mode(case):
     torch._dynamo.reset()
     model = getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).train()
     assert compile_counts(model, case) == EXPECTED_COUNTS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_session.sh runs it)")
+def test_compiled_with_inductor_on_cuda_is_traced_once_per_shape_and_mode():
+    """As above, compiled by inductor on a CUDA device, as a GPU user compiles (each trace is an inductor compile
+    there): Llama's causal LM."""
+    from torch._inductor.compile_fx import compile_fx
+
+    case = next(case for case in ANCHORS if case.arch == "llama")
+    torch._dynamo.reset()
+    model = getattr(oslo, case.name).from_config_with_parallel(_small_config(case), seed=0).cuda().train()
+    assert compile_counts(model, case, backend=compile_fx, device="cuda") == EXPECTED_COUNTS
 
 
 def _gpt2_with_dropout():
