@@ -99,6 +99,8 @@ def _static_cache_generate(rank, world_size, tp, pp):
     ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(0))
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
     eager = model.generate(ids, disable_compile=True, **options)
+    # Counted through a closure, not test_compile's counting object: CompileConfig deep-copies its backend when
+    # generate() compiles, and a function's copy is the function itself.
     traced = []
 
     def backend(graph, example_inputs, **options):  # transformers passes its mode ("reduce-overhead") too
