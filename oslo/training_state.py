@@ -35,7 +35,7 @@ __all__ = ["load_training_state", "save_training_state"]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, with the saved non-tensor values (hyperparameters, the scheduler's state, the
     step) unpickled with ``weights_only=True``: a checkpoint cannot run code."""
 
@@ -47,12 +47,14 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _layout(context) -> str:
+def layout(context) -> str:
+    """The (tp, pp, dp) layout as the saved states record it."""
     return f"tp={context.tensor_parallel_size},pp={context.pipeline_parallel_size},dp={context.data_parallel_size}"
 
 
-def _random_state(context) -> dict[str, object]:
-    """This rank's random streams under keys that say whose they are (DCP keeps one value per key)."""
+def random_streams(context) -> dict[str, object]:
+    """This rank's random streams under keys that say whose they are (DCP keeps one value per key): the replicated
+    stream, the split one and torch's default generator."""
     place = f"pp{context.pipeline_parallel_rank}.tp{context.tensor_parallel_rank}.dp{context.data_parallel_rank}"
     states = dict(context.rng._states)
     return {
@@ -60,6 +62,17 @@ def _random_state(context) -> dict[str, object]:
         f"split.{place}": states["split"],
         f"torch.{place}": torch.get_rng_state(),
     }
+
+
+def restore_random_streams(context, streams: dict[str, object]) -> None:
+    """Set this rank's random streams to ``streams`` (as :func:`random_streams` returned them; the entries of one
+    rank's streams only)."""
+    context.rng._states["replicated"] = streams["replicated"]
+    for key, value in streams.items():
+        if key.startswith("split."):
+            context.rng._states["split"] = value
+        elif key.startswith("torch."):
+            torch.set_rng_state(value)
 
 
 def _state(model: nn.Module, optimizer, scheduler, step, extra) -> dict[str, object]:
@@ -71,8 +84,8 @@ def _state(model: nn.Module, optimizer, scheduler, step, extra) -> dict[str, obj
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         "step": step,
         "extra": json.dumps(extra if extra is not None else {}),  # one value: DCP would walk into a dict
-        "layout": _layout(context),
-        "rng": _random_state(context),
+        "layout": layout(context),
+        "rng": random_streams(context),
     }
 
 
@@ -139,22 +152,16 @@ def load_training_state(directory: str | os.PathLike, model: nn.Module, optimize
     context = model.parallel_context
     state = _state(model, optimizer, scheduler, None, None)
     saved = {"layout": ""}
-    dcp.load(saved, checkpoint_id=directory, planner=_WeightsOnlyLoadPlanner())
+    dcp.load(saved, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
     if saved["layout"] != state["layout"]:  # per-rank streams of another layout: keep this run's own
         state["rng"] = {"replicated": state["rng"]["replicated"]}
     moved = _read_ties_from_their_source(model, state["optimizer"], directory)
-    dcp.load(state, checkpoint_id=directory, planner=_WeightsOnlyLoadPlanner())
+    dcp.load(state, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
     for name, source in moved.items():
         state["optimizer"][name] = state["optimizer"].pop(source)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_OPTIONS)
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    rng = state["rng"]
-    context.rng._states["replicated"] = rng["replicated"]
-    for key, value in rng.items():
-        if key.startswith("split."):
-            context.rng._states["split"] = value
-        elif key.startswith("torch."):
-            torch.set_rng_state(value)
+    restore_random_streams(context, state["rng"])
     return {"step": state["step"], "extra": json.loads(state["extra"])}

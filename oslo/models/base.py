@@ -23,6 +23,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from oslo import checkpoint as ckpt
 from oslo.integrations import peft as peft_integration
+from oslo.integrations import trainer as trainer_integration
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
 from oslo.models import build, runner, stages
 from oslo.models.body import StagedBody
@@ -165,6 +166,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         traced.register(self)  # compiled calls refer to the model by this key (see oslo.parallel.traced)
         install_torch_hooks()  # torch's clipping and state-dict functions, adjusted to oslo models
         _install_peft()  # PEFT's LoRA and (IA)^3 wrap oslo's linear layers (when PEFT is installed)
+        trainer_integration.install()  # transformers' Trainer saves and resumes split models (once it is imported)
         self.micro_batch_size = 1
         # Set to a list to record this stage's forward and backward passes in pipeline training steps
         # (``oslo.parallel.pipeline.TimelineEvent``; benchmarks/pipeline_timeline.py draws them).
@@ -274,6 +276,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             NotImplementedError: with pipelines: transformers' ``Trainer`` and accelerate call the model once per
                 batch and take one loss, while a pipeline step is a loop over micro-batch outputs.
         """
+        trainer_integration.install()  # the Trainer reads this: its saves and resumes of split models
         context = self.parallel_context
         if context.pipeline_parallel_size > 1:
             raise NotImplementedError(

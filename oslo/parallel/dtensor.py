@@ -494,12 +494,17 @@ def _optimizer_state_by_name(verify_options):
     optimizer's hyperparameters keyed by parameter name for oslo models — torch's
     ``flatten_optimizer_state_dict=True``, its setting for pipelines — at every layout, so that PyTorch's
     recipe, unchanged, saves and resumes across pipeline layouts: unflattened, each stage's parameter group
-    lists other parameters under the same key, and DCP would keep one stage's list for all of them."""
+    lists other parameters under the same key, and DCP would keep one stage's list for all of them.
+
+    Not where a parameter group is empty (transformers' ``Trainer`` makes one for the parameters without weight
+    decay, which a PEFT adapter lacks): the flattened form keys a group's hyperparameters by its parameters, so an
+    empty group's are lost, and torch cannot rebuild the groups (``IndexError``)."""
 
     @functools.wraps(verify_options)
-    def verified(model, *args, **kwargs):
-        info = verify_options(model, *args, **kwargs)
-        if _is_oslo_model(model):  # in one process too: a state saved at any layout has one set of keys
+    def verified(model, optims=(), *args, **kwargs):
+        info = verify_options(model, optims, *args, **kwargs)
+        empty_group = any(not group["params"] for optimizer in optims for group in optimizer.param_groups)
+        if _is_oslo_model(model) and not empty_group:  # in one process too: one set of keys at every layout
             info.flatten_optimizer_state_dict = True
         return info
 
@@ -516,7 +521,11 @@ def _fused(model: nn.Module) -> dict[str, ShardSpec]:
     Empty for other models."""
     if not _is_oslo_model(model):
         return {}
-    return {name: spec for name, spec in parameter_specs(model).items() if _strided(spec)
+    specs = parameter_specs(model)
+    for name, param in model.named_parameters():  # a PEFT model's adapters: their own DTensors say how they split
+        if specs.get(name) is None and isinstance(param, DTensor):
+            specs[name] = getattr(param, "_oslo_spec", None)
+    return {name: spec for name, spec in specs.items() if _strided(spec)
             or (spec is not None and spec.chunks > 1 and not is_distributed(model))}
 
 
@@ -554,7 +563,7 @@ def _as_stored_blocks(tensor, spec: ShardSpec, ndim: int):
 
 
 def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
-    """``state`` (a model's or, flattened, an optimizer's DCP state dict) with every fused parameter's tensors
+    """``state`` (a model's or an optimizer's DCP state dict, flattened or not) with every fused parameter's tensors
     (the weight; Adam's moments) passed through ``convert(tensor, spec, the parameter's ndim)``."""
     fused = _fused(model)
     if not fused:
@@ -565,7 +574,11 @@ def _map_fused(model: nn.Module, state: dict, optimizer: bool, convert) -> dict:
     for name, spec in fused.items():
         if name in blocks:  # seen as blocks already (under FSDP2)
             continue
-        if optimizer:
+        if optimizer and isinstance(state.get("state"), dict):  # not flattened: {"state": {name: {key: tensor}}}
+            if name in state["state"]:
+                state["state"] = {**state["state"], name: {key: convert(value, spec, ndims[name])
+                                                           for key, value in state["state"][name].items()}}
+        elif optimizer:
             prefix = f"state.{name}."
             for key in [key for key in state if key.startswith(prefix)]:
                 state[key] = convert(state[key], spec, ndims[name])
@@ -806,6 +819,14 @@ class _PlainLeaves(nn.Module):
             if remove_duplicate:
                 memo.add(self)
             yield prefix, self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # A state dict of the model under its own names (a transformers checkpoint: the Trainer's resume and
+        # load_best_model_at_end hand one here) loads into the model; the wrapper's own (DeepSpeed's) as usual.
+        wrapper_keys = set(super().state_dict(keep_vars=True))
+        if state_dict and not any(key in wrapper_keys for key in state_dict):
+            return self._modules["module"].load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
         try:

@@ -8,6 +8,8 @@ Trainer's loss scaling and oslo's gradient averaging, is the code a GPU run take
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -240,3 +242,112 @@ def test_a_loss_the_trainer_computes_itself_is_averaged_over_the_replicas(checkp
     (expected,) = run_distributed(_smoothed_run, 1, checkpoint, str(tmp_path / "reference"), 1)
     for params in run_distributed(_smoothed_run, 4, checkpoint, str(tmp_path / "oslo"), 2, timeout=110):
         _assert_same_weights(params, expected)
+
+
+@pytest.fixture(scope="module")
+def dropout_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-trainer-dropout")
+    save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(resid_pdrop=0.1, attn_pdrop=0.1), path)
+    return str(path)
+
+
+def _trained_state(model, trained) -> dict[str, torch.Tensor]:
+    """The model's whole weights, or, for a PEFT model, its adapter's whole tensors (PEFT's names)."""
+    if trained is model:
+        return full_params(model)
+    import peft
+
+    if isinstance(trained, peft.PeftModel):
+        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+                for name, value in peft.get_peft_model_state_dict(trained).items()}
+    return full_params(model)  # gpu_modules()' wrapper: the model's own weights
+
+
+def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
+    """The Trainer's default way of saving (a checkpoint every ``save_steps``, the optimizer's state with it) over two
+    steps, then a fresh model resumed from the first checkpoint for the second step. Returns the trained state, the
+    resumed one, and what the second checkpoint's files hold."""
+    import safetensors.torch
+    from accelerate import Accelerator
+
+    states = []
+    for resume in (None, os.path.join(output_dir, "checkpoint-1")):
+        _fresh_accelerate_state()
+        if tp > 1:
+            _accelerate_takes_cpu(Accelerator)
+        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+        if resume is not None:  # as a new process would: the dropout streams stand elsewhere until resumed
+            model.parallel_context.manual_seed(999)
+        trained = model
+        if variant == "lora":
+            import peft
+
+            torch.manual_seed(5)
+            trained = peft.get_peft_model(model, _peft_config("lora"))
+        elif tp == 1:
+            trained = model.gpu_modules()
+        arguments = _arguments(output_dir, ROWS // (world_size // tp))
+        arguments.save_strategy, arguments.save_steps = "steps", 1
+        arguments.optim_args = "momentum=0.9"  # SGD with state of its own; its steps follow the dropout masks
+        arguments.remove_unused_columns = trained is model or variant == "lora"
+        arguments.__post_init__()  # the save strategy and optimizer are parsed into their enums there
+        trainer = transformers.Trainer(model=trained, args=arguments, train_dataset=_Rows())
+        trainer.train(resume_from_checkpoint=resume)
+        states.append(_trained_state(model, trained))
+        if resume is None:
+            name = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+            saved = safetensors.torch.load_file(os.path.join(output_dir, "checkpoint-2", name))
+    return states[0], states[1], saved
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp, variant", [(2, "model"), (2, "lora"), (1, "gpu_modules")],
+                         ids=["tp2", "tp2-lora", "dp2-gpu_modules"])
+def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp, variant):
+    """transformers' Trainer checkpoints a model split over two processes as it checkpoints one of one process
+    (``save_strategy="steps"``, the default; the optimizer's momentum and the dropout streams included): its
+    checkpoints hold the plain transformers files (the whole model, or PEFT's adapter), and a run resumed from the
+    first one finishes with the weights of the uninterrupted run. (Before, the main process alone called
+    save_pretrained: a split model raised, a PEFT model waited for the other ranks forever.)"""
+    if variant == "lora":
+        pytest.importorskip("peft")
+    for trained, resumed, saved in run_distributed(_checkpointed_run, 2, dropout_checkpoint, str(tmp_path), tp,
+                                                   variant, timeout=170):
+        assert sorted(resumed) == sorted(trained)
+        for name, value in trained.items():
+            torch.testing.assert_close(resumed[name], value, msg=lambda m, n=name: f"resumed {n}: {m}")
+        if variant == "lora":
+            assert sorted(saved) == sorted(trained)
+        else:  # transformers' files hold the tied lm_head once, as wte
+            assert sorted(saved) == sorted(name for name in trained if name != "lm_head.weight")
+        for name, value in saved.items():
+            torch.testing.assert_close(value, trained[name], msg=lambda m, n=name: f"saved {n}: {m}")
+
+
+def _best_model_run(rank, world_size, path, output_dir):
+    import safetensors.torch
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    _accelerate_takes_cpu(Accelerator)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
+    arguments = _arguments(output_dir, ROWS)
+    arguments.save_strategy = arguments.eval_strategy = "steps"
+    arguments.save_steps = arguments.eval_steps = 1
+    # The highest evaluation loss is "best": the first checkpoint's model, not the last one's.
+    arguments.load_best_model_at_end, arguments.metric_for_best_model, arguments.greater_is_better = True, "loss", True
+    arguments.__post_init__()
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Rows(), eval_dataset=_Rows())
+    trainer.train()
+    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+    return os.path.basename(trainer.state.best_model_checkpoint), best, full_params(model)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_loads_the_best_checkpoint_at_the_end(checkpoint, tmp_path):
+    """``load_best_model_at_end`` puts the best checkpoint's weights back into a split model (every rank reads its
+    slices of the transformers files the checkpoint holds)."""
+    for name, best, params in run_distributed(_best_model_run, 2, checkpoint, str(tmp_path), timeout=110):
+        assert name == "checkpoint-1"
+        for key, value in best.items():
+            torch.testing.assert_close(params[key], value, msg=lambda m, k=key: f"{k}: {m}")

@@ -1,0 +1,162 @@
+"""transformers' ``Trainer`` saving and resuming an oslo model whose parameters are split over several processes.
+
+The Trainer writes a checkpoint from its main process alone: ``save_model`` and each ``checkpoint-N``'s model
+files through ``save_pretrained`` (or, for a module that is not a transformers model, its ``state_dict``), the
+optimizer's state with ``torch.save(optimizer.state_dict())``. No single rank holds a split model's weights or its
+optimizer's state, so those saves are collective: :func:`install` wraps three of the Trainer's methods, and only for
+oslo models that span several processes (every other model takes the Trainer's own path):
+
+- ``_save`` (``save_model``, and the model files of a checkpoint): every rank takes part in
+  ``save_pretrained_with_parallel(save_with_merging=True)``, a plain transformers checkpoint published atomically
+  (``from_pretrained`` loads it as it loads the Trainer's files of one process), or, for a PEFT model, in PEFT's
+  ``save_pretrained`` (the whole adapter); the main process then writes the tokenizer and the training arguments as
+  the Trainer does.
+- ``_save_optimizer_and_scheduler``: the optimizer's state goes to ``optimizer/`` with
+  ``torch.distributed.checkpoint`` (each rank writes its slices, keyed by parameter name: torch's
+  ``get_optimizer_state_dict`` as oslo adjusts it, see :mod:`oslo.parallel.dtensor`), with the model's random
+  streams (dropout); the scheduler's state to ``scheduler.pt``, as the Trainer writes it.
+- ``_load_optimizer_and_scheduler``: the reverse, each rank reading its slices (``resume_from_checkpoint``).
+
+The model files need no hook to load back (``resume_from_checkpoint``, ``load_best_model_at_end``): the Trainer hands
+their whole tensors to the model's ``load_state_dict``, which an oslo model (or ``gpu_modules()``' wrapper) takes at
+any layout, each rank keeping its slices.
+
+Every rank must call ``trainer.save_model()``, as with DeepSpeed or FSDP (the Trainer's own checkpoints do).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from oslo.parallel.dtensor import is_distributed
+from oslo.training_state import WeightsOnlyLoadPlanner, layout, random_streams, restore_random_streams
+
+OPTIMIZER_DIRECTORY = "optimizer"
+
+
+def split_model(model: nn.Module | None) -> nn.Module | None:
+    """The oslo model in ``model`` (itself, a PEFT model's base, the module of ``gpu_modules()``' or DDP's wrapper)
+    when its parameters span several processes; ``None`` otherwise."""
+    seen: set[int] = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(type(model), "save_pretrained_with_parallel"):
+            return model if is_distributed(model) else None
+        if hasattr(type(model), "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        else:
+            model = getattr(model, "_modules", {}).get("module")
+    return None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(type(model), "get_base_model") and hasattr(type(model), "load_adapter")
+
+
+def _save_hook(save):
+    @functools.wraps(save)
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        model = split_model(self.model)
+        if model is None or state_dict is not None:
+            return save(self, output_dir, state_dict)
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _is_peft(self.model):  # oslo's PEFT saves gather the adapter on every rank; the main process writes
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        else:
+            model.save_pretrained_with_parallel(output_dir, save_with_merging=True)
+        if not self.args.should_save:
+            return
+        # What the Trainer writes beside the model.
+        tokenizer = self.processing_class
+        if tokenizer is None and self.data_collator is not None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    return _save
+
+
+def _takes_own_path(trainer) -> bool:
+    """DeepSpeed and FSDP save and load the optimizer their own way."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
+
+
+def _save_optimizer_hook(save_optimizer):
+    @functools.wraps(save_optimizer)
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        model = split_model(self.model)
+        if model is None or _takes_own_path(self):
+            return save_optimizer(self, output_dir)
+        from transformers.trainer import SCHEDULER_NAME
+
+        context = model.parallel_context
+        state = {
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "layout": layout(context),
+            "rng": random_streams(context),
+        }
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIRECTORY))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    return _save_optimizer_and_scheduler
+
+
+def _load_optimizer_hook(load_optimizer):
+    @functools.wraps(load_optimizer)
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        model = split_model(self.model)
+        directory = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_DIRECTORY)
+        if model is None or _takes_own_path(self) or directory is None or not os.path.isdir(directory):
+            return load_optimizer(self, checkpoint)
+        from transformers.trainer import SCHEDULER_NAME
+
+        context = model.parallel_context
+        saved = {"layout": ""}
+        dcp.load(saved, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
+        state = {
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "rng": random_streams(context),
+        }
+        if saved["layout"] != layout(context):  # the per-rank streams of another layout: keep this run's own
+            state["rng"] = {"replicated": state["rng"]["replicated"]}
+        dcp.load(state, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        restore_random_streams(context, state["rng"])
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    return _load_optimizer_and_scheduler
+
+
+_HOOKS = {
+    "_save": _save_hook,
+    "_save_optimizer_and_scheduler": _save_optimizer_hook,
+    "_load_optimizer_and_scheduler": _load_optimizer_hook,
+}
+
+
+def install() -> None:
+    """Install the hooks above on transformers' ``Trainer``, once, if ``transformers.trainer`` is imported (oslo
+    models call it when they are built and when the Trainer reads their ``tp_size``)."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:
+        return
+    cls = module.Trainer
+    for name, hook in _HOOKS.items():
+        method = getattr(cls, name, None)
+        if method is not None and not getattr(method, "_oslo_hook", False):
+            hooked = hook(method)
+            hooked._oslo_hook = True
+            setattr(cls, name, hooked)
