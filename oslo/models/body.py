@@ -91,6 +91,15 @@ class StagedBody:
         the encoder's output starts where the decoder does). Its ``embed`` gets the first payload."""
         return 0
 
+    def cached_positions(self, inputs: dict) -> int:
+        """How many positions a call with ``inputs`` adds to its KV cache: the input sequence's length (an
+        encoder-decoder's override: the decoder's)."""
+        if inputs.get("input_ids") is not None:
+            return inputs["input_ids"].shape[-1]
+        if inputs.get("inputs_embeds") is not None:
+            return inputs["inputs_embeds"].shape[-2]
+        return 0
+
     def prepare(self, **inputs) -> BodyState:
         raise NotImplementedError
 

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from oslo.models import loss_accounting
 from oslo.models.compat import CACHE_FIELD, rename_legacy_cache
 from oslo.models.stages import running_stage
+from oslo.parallel.agreement import cached_positions
 from oslo.parallel.data_parallel import active_data_parallel_wrapper
 from oslo.parallel.deepspeed_engine import active_deepspeed_engine, check_engine, hold_reduction, reduce_now
 from oslo.parallel.pipeline import (
@@ -287,6 +288,10 @@ def forward_with_head(
         use_cache if use_cache is not None else model.config.use_cache)
     if use_cache and cache is None:
         cache = model._new_cache()
+    if use_cache:
+        # The positions cached so far, recorded alike on every stage: a stage may hold no layer that caches
+        # (T5's encoder stages), and the input check compares this count across the stages.
+        cache._oslo_positions = cached_positions(cache) + body.cached_positions(inputs)
     names = [name for name in fields if name not in per_layer_fields and name != CACHE_FIELD]
     states: dict = {}
     values = pipeline_pass(context, lambda received, stage: run_stage(batch, received, cache, True, stage=stage,

@@ -504,6 +504,13 @@ class _T5Stacks(StagedBody):
     def _payload(self, **values) -> dict[str, torch.Tensor | None]:
         return {name: values.get(name) for name in self.stage_payload}
 
+    def cached_positions(self, inputs: dict) -> int:
+        if inputs.get("decoder_input_ids") is not None:
+            return inputs["decoder_input_ids"].shape[-1]
+        if inputs.get("decoder_inputs_embeds") is not None:
+            return inputs["decoder_inputs_embeds"].shape[-2]
+        return 0
+
     def first_pass_stage(self, inputs: dict, options: dict) -> int:
         # With the encoder's output given (generate()'s decoding steps), only the decoder's stages run.
         given = inputs.get("encoder_last_hidden_state") is not None or options.get("encoder_outputs") is not None

@@ -71,6 +71,13 @@ def _content_hash(tensor: torch.Tensor) -> torch.Tensor:
     return (flat * _weights(flat.numel(), flat.device)).sum()
 
 
+def cached_positions(cache) -> int:
+    """How many positions a KV cache holds, the same on every pipeline stage: the count the model recorded in it
+    under pipelines (see :func:`oslo.models.runner.forward_with_head`), else its length."""
+    recorded = getattr(cache, "_oslo_positions", None)
+    return recorded if recorded is not None else cache.get_seq_length()
+
+
 def _describe(value: Any) -> tuple[str, torch.Tensor | None]:
     """(what the value is, in words that must match across ranks; the tensor to digest, if any)."""
     if isinstance(value, torch.Tensor):
@@ -82,7 +89,7 @@ def _describe(value: Any) -> tuple[str, torch.Tensor | None]:
     if isinstance(value, torch.dtype):
         return str(value), None
     if hasattr(value, "get_seq_length"):  # a KV cache: its length, not its contents (each stage has its own)
-        return f"{type(value).__name__} holding {value.get_seq_length()} positions", None
+        return f"{type(value).__name__} holding {cached_positions(value)} positions", None
     if isinstance(value, (list, tuple)) and all(not isinstance(v, (list, tuple, dict)) for v in value):
         parts = [_describe(v) for v in value]
         tensors = [t for _, t in parts if t is not None]

@@ -217,3 +217,47 @@ def test_training_state_wrapper_resumes_in_one_process(checkpoint, tmp_path):
     for name, value in params.items():
         source = "transformer.wte.weight" if name == "lm_head.weight" else name
         torch.testing.assert_close(value, expected[source], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _adapter_train(rank, world_size, path, directory, tp, resume):
+    """A LoRA adapter (on GPT2's fused c_attn too) of the model at tensor_parallel_size ``tp``, trained with the
+    optimizer transformers' Trainer builds (a group without weight decay, empty for an adapter): one step then a
+    save with PyTorch's recipe, or a load and the second step. Returns the adapter's whole tensors."""
+    import peft
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    torch.manual_seed(7 if resume else 5)  # a resumed adapter starts elsewhere: its values come from the state
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"],
+                                                       init_lora_weights=False))
+    trained = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": trained, "weight_decay": 0.01}, {"params": [], "weight_decay": 0.0}],
+                                  lr=LR, eps=1e-5)
+    for step in (1,) if resume else (0, 1):
+        if step == 1:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            if resume:
+                dcp.load(state, checkpoint_id=directory)
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            else:
+                dcp.save(state, checkpoint_id=directory)
+        model(**batch(step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in peft.get_peft_model_state_dict(model).items()}
+
+
+@pytest.mark.timeout(120)
+def test_dcp_recipe_resumes_a_peft_adapter(checkpoint, tmp_path):
+    """PyTorch's recipe on a PEFT model of a split oslo model: the LoRA B of GPT2's fused c_attn is shown to DCP as
+    blocks (as c_attn itself), and an empty parameter group keeps torch's unflattened form (its flattened one
+    loses the group: IndexError). The resumed step gives the uninterrupted run's adapter."""
+    pytest.importorskip("peft")
+    directory = str(tmp_path / "adapter")
+    uninterrupted = run_distributed(_adapter_train, 2, checkpoint, directory, 2, False, timeout=100)
+    resumed = run_distributed(_adapter_train, 2, checkpoint, directory, 2, True, timeout=100)
+    for expected, actual in zip(uninterrupted, resumed, strict=True):
+        assert sorted(actual) == sorted(expected)
+        for name, value in actual.items():
+            torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")
