@@ -833,6 +833,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         """``nn.Module.load_state_dict``; under pipelines a copy of a weight tied across stages (GPT2's
         ``lm_head`` on the last stage) that the state dict lacks takes its twin's value when the state dict has
         that: transformers' files never hold the tied copy, which in one process is the same parameter."""
+        if is_distributed(self) and trains_plain_leaves(self):
+            follow_storages(self)  # the DTensors must view the storages that train (moved by DeepSpeed, `.to()`)
         copies = self.cross_stage_tied_copies() if self.parallel_context.pipeline_parallel_size > 1 else {}
         missing = {copy: twin for copy, twin in copies.items() if copy not in state_dict and twin in state_dict}
         if missing:

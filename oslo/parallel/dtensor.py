@@ -820,13 +820,29 @@ class _PlainLeaves(nn.Module):
                 memo.add(self)
             yield prefix, self
 
+    # Its state dict is the model's, under the model's names, as ``DistributedDataParallel(model).module`` is the
+    # model for a plain one: ``torch.save(model_ddp.module.state_dict())`` loads into the model (or transformers'),
+    # and ``model_ddp.state_dict()`` holds ``module.`` + the model's names. The plain shards are the same weights as
+    # the model's DTensors (the same memory): they are neither saved nor loaded on their own.
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self._modules["module"].state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # A state dict of the model under its own names (a transformers checkpoint: the Trainer's resume and
-        # load_best_model_at_end hand one here) loads into the model; the wrapper's own (DeepSpeed's) as usual.
-        wrapper_keys = set(super().state_dict(keep_vars=True))
-        if state_dict and not any(key in wrapper_keys for key in state_dict):
-            return self._modules["module"].load_state_dict(state_dict, strict=strict, assign=assign)
+        model = self._modules["module"]
+        if not any(key.startswith("module.") for key in state_dict):  # the model's own call (ties across stages)
+            return model.load_state_dict(state_dict, strict=strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # The model's keys go to the model (the child ``module``); a plain shard's key, which earlier versions
+        # saved beside them, is dropped (the model's DTensor of the same weight loads it).
+        follow_storages(self._modules["module"])  # the model's DTensors view the storages that train
+        inner = prefix + "module."
+        for key in [key for key in state_dict if key.startswith(prefix) and not key.startswith(inner)]:
+            value = state_dict.pop(key)
+            if key[len(prefix):] not in self._parameters:
+                state_dict[inner + key[len(prefix):]] = value
 
     def __getattr__(self, name: str):
         try:

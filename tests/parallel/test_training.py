@@ -269,3 +269,45 @@ def test_the_ddp_wrapper_lists_each_weight_once_and_refuses_bucket_views(zoo_che
     ``gradient_as_bucket_view=True``, under which the model's gradients would miss DDP's average, is refused
     with the fix."""
     run_distributed(_ddp_wrapper_parameters, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))
+
+
+def _ddp_checkpoint(rank, world_size, path, tp, directory):
+    """torch's DDP checkpoint recipe on the wrapper of ``gpu_modules()``: one step, then ``model_ddp.module``'s and
+    ``model_ddp``'s state dicts saved (each rank its own file: its slices) and loaded into fresh models."""
+    import os
+
+    def build():
+        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+        return model, DistributedDataParallel(model.gpu_modules(), process_group=model.mpu.get_data_parallel_group())
+
+    model, model_ddp = build()
+    input_ids = _global_batch(steps=1)[0]
+    model_ddp(input_ids=input_ids, labels=input_ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    module_file, ddp_file = (os.path.join(directory, f"{kind}-{rank}.pt") for kind in ("module", "ddp"))
+    torch.save(model_ddp.module.state_dict(), module_file)
+    torch.save(model_ddp.state_dict(), ddp_file)
+    keys = sorted(model.state_dict())
+    assert sorted(model_ddp.module.state_dict()) == keys
+    assert sorted(model_ddp.state_dict()) == [f"module.{key}" for key in keys]
+    trained = full_params(model)
+    loaded = []
+    for file in (module_file, ddp_file):
+        fresh, fresh_ddp = build()
+        target = fresh if file == module_file else fresh_ddp
+        target.load_state_dict(torch.load(file, weights_only=True))  # strict: every key used, none missing
+        loaded.append(full_params(fresh))
+    return trained, loaded
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_ddp_checkpoints_hold_the_models_names(lm_checkpoint, tmp_path, tp):
+    """``model_ddp.module`` is ``gpu_modules()``' wrapper, whose state dict is the model's, under the model's names,
+    as a DDP-wrapped plain model's is: ``torch.save(model_ddp.module.state_dict())`` loads into a fresh model, and
+    ``model_ddp.state_dict()`` (``module.`` + those names) into a fresh wrapper. Before, the wrapper's names were
+    ``module.`` + the model's, beside its plain shards': loading them into the model failed."""
+    for trained, loaded in run_distributed(_ddp_checkpoint, 2, lm_checkpoint, tp, str(tmp_path), timeout=80):
+        for params in loaded:
+            for name, value in trained.items():
+                torch.testing.assert_close(params[name], value, msg=lambda m, n=name: f"{n}: {m}")
