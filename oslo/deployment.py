@@ -213,8 +213,8 @@ class DeployedModel:
     """A model running in worker processes (made by ``from_pretrained_with_parallel(..., deployment=True)``).
 
     It behaves like the model: ``model(...)``/``forward``, ``generate``, ``fuse``, ``eval``/``train``,
-    ``config``, ``generation_config``, ``save_pretrained_with_parallel``, ``can_generate``; any other method
-    or attribute is looked up on the workers' model. Calls run without gradients and return global rank 0's
+    ``config``, ``generation_config``, ``save_pretrained_with_parallel``, ``save_pretrained``, ``can_generate``; any
+    other method or attribute is looked up on the workers' model. Calls run without gradients and return global rank 0's
     result, tensors in ordinary CPU memory (KV caches stay in the workers: ``cache`` is ``None``).
     Calls from several threads run one after the other.
 
@@ -321,6 +321,12 @@ class DeployedModel:
         """Save a split or merged checkpoint (every worker writes its part; see the model's method)."""
         # absolute: the workers kept the working directory of the deployment
         self._command("save_pretrained_with_parallel", os.path.abspath(save_directory), *args, **kwargs)
+
+    def save_pretrained(self, save_directory, **kwargs: Any) -> None:
+        """transformers' ``save_pretrained``, from this one process: every worker takes part (the model's
+        ``save_pretrained`` with ``is_main_process``), and a plain transformers checkpoint is written."""
+        kwargs.setdefault("is_main_process", True)
+        self._command("save_pretrained", os.path.abspath(save_directory), **kwargs)
 
     @property
     def device(self) -> torch.device:

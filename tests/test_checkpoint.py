@@ -179,8 +179,36 @@ def test_dtype_and_config_overrides(lm_checkpoint):
 
 def _plain_save_refused(rank, world_size, path, target):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=world_size)
-    with pytest.raises(RuntimeError, match="save_pretrained_with_parallel"):
+    with pytest.raises(RuntimeError, match=r"is_main_process=\(rank == 0\).*save_pretrained_with_parallel"):
         model.save_pretrained(target)
+
+
+def _save_pretrained_on_every_rank(rank, world_size, path, target, tp, pp):
+    """transformers' way of saving a model it split itself, and accelerate's recipe: every rank calls
+    ``save_pretrained`` with ``is_main_process``."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp,
+                                                               pipeline_parallel_size=pp)
+    with torch.no_grad():  # weights of its own: not those of the checkpoint it was built from
+        for param in model.parameters():
+            param.mul_(1.5)
+    model.save_pretrained(target, is_main_process=rank == 0, max_shard_size="100KB")
+    return full_params(model)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_save_pretrained_on_every_rank_writes_a_transformers_checkpoint(lm_checkpoint, tmp_path, tp, pp):
+    """A split model's save_pretrained, called on every rank with is_main_process (as transformers saves a
+    tensor-parallel model), writes the plain transformers checkpoint of the whole model (sharded here by
+    max_shard_size); called without it, it raises (test_transformers_entry_points)."""
+    target = tmp_path / "saved"
+    weights = {}
+    for stage_weights in run_distributed(_save_pretrained_on_every_rank, tp * pp, lm_checkpoint, str(target), tp, pp):
+        weights.update(stage_weights)  # with pipelines each stage has its own layers
+    assert (target / "model.safetensors.index.json").is_file()
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(target))
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param, weights[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_transformers_entry_points(lm_checkpoint, tmp_path):
@@ -189,7 +217,8 @@ def test_transformers_entry_points(lm_checkpoint, tmp_path):
     torch.testing.assert_close(model(INPUT_IDS).logits, _reference_logits(lm_checkpoint))
     model.save_pretrained(tmp_path / "plain")
     torch.testing.assert_close(_reference_logits(str(tmp_path / "plain")), _reference_logits(lm_checkpoint))
-    # ...split, save_pretrained would write a shard under full names: refused.
+    # ...split, save_pretrained without is_main_process (a call on the main process alone would wait for the
+    # others): refused, naming the two ways that work.
     run_distributed(_plain_save_refused, 2, lm_checkpoint, str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
 

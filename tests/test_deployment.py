@@ -97,6 +97,9 @@ def test_gpt2_tp2_pp2_behaves_like_the_model(gpt2, gpt2_dir, tmp_path):
     gpt2.save_pretrained_with_parallel(tmp_path / "merged", save_with_merging=True)
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(reloaded(ids).logits, expected.logits)
+    gpt2.save_pretrained(tmp_path / "saved")  # transformers' method, from the one caller: the same plain files
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(reloaded(ids).logits, expected.logits)
 
 
 def test_every_listener_is_on_loopback(gpt2):

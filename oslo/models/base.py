@@ -813,15 +813,41 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     # ---- saving ------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' ``save_pretrained``, for unsplit models only (use
-        :meth:`save_pretrained_with_parallel` otherwise)."""
+        """transformers' ``save_pretrained``.
+
+        A model split over several processes (tensor or pipeline parallel) saves as transformers saves a model it
+        split itself: every rank calls it, ``is_main_process`` says which one writes (accelerate's recipe:
+        ``save_pretrained(dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)``),
+        and the files are a plain transformers checkpoint (:meth:`save_pretrained_with_parallel` with
+        ``save_with_merging=True``, written by rank 0; ``max_shard_size``, ``safe_serialization`` and
+        ``save_function`` as there). Without ``is_main_process`` it raises: called on the main process alone, as
+        one saves a data-parallel replica, it would wait for the other ranks.
+
+        Raises:
+            RuntimeError: a split model, without ``is_main_process``.
+            ValueError: a split model with ``state_dict`` (its tensors are gathered from the ranks) or
+                ``push_to_hub`` (oslo has no hub access).
+        """
         context = self.parallel_context
         if context.tensor_parallel_size * context.pipeline_parallel_size > 1:
-            raise RuntimeError(
-                "save_pretrained would write this rank's shard under the full model's names. Call "
-                "save_pretrained_with_parallel(save_directory, save_with_merging=True) on every rank for a "
-                "plain transformers checkpoint (or without save_with_merging for a split one)."
-            )
+            if args or "is_main_process" not in kwargs:
+                raise RuntimeError(
+                    f"save_pretrained of a model split over {context.world_size} processes gathers its weights from "
+                    "every rank. Call it on every rank with is_main_process=(rank == 0), as transformers saves a "
+                    "tensor-parallel model (the main process writes a plain transformers checkpoint), or call "
+                    "save_pretrained_with_parallel(save_directory, save_with_merging=True) on every rank (without "
+                    "save_with_merging for a split checkpoint)."
+                )
+            refused = [name for name in ("state_dict", "push_to_hub") if kwargs.get(name)]
+            if refused:
+                raise ValueError(
+                    f"save_pretrained of a split model does not take {', '.join(refused)}: it gathers the model's "
+                    "own weights from every rank and writes them to save_directory. Call it without them."
+                )
+            options = {name: kwargs[name] for name in ("max_shard_size", "safe_serialization", "save_function")
+                       if kwargs.get(name) is not None}
+            self.save_pretrained_with_parallel(save_directory, save_with_merging=True, **options)
+            return None
         if is_distributed(self) and kwargs.get("state_dict") is None:
             # Data-parallel replicas of an unsplit model: its DTensors hold the whole weights (what safetensors
             # cannot write as DTensors): the plain tensors under the same names.
