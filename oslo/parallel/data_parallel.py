@@ -4,16 +4,18 @@ share of the global batch's mean."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.errors import naming_timeouts
 
-__all__ = ["active_data_parallel_wrapper", "average_over_replicas", "sum_over_replicas"]
+__all__ = ["active_data_parallel_wrapper", "average_over_replicas", "refuse_dtensor_parameters", "sum_over_replicas"]
 
 
 def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataParallel | None:
@@ -43,6 +45,31 @@ def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataPar
             "(the default)."
         )
     return ddp
+
+
+def refuse_dtensor_parameters(init):
+    """``DistributedDataParallel.__init__`` with a clear error, before any collective, for an oslo model whose
+    parameters are DTensors (several processes), which DDP cannot reduce: it would fail inside DTensor's dispatch
+    ("Cannot flatten unevenly sharded tensor"), and accelerate's ``prepare`` reaches it too."""
+
+    @functools.wraps(init)
+    def checked(self, module, *args, **kwargs):
+        if getattr(module, "parallel_context", None) is not None and hasattr(module, "gpu_modules"):
+            ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            if any(isinstance(param, DTensor) for name, param in module.named_parameters() if name not in ignored):
+                raise ValueError(
+                    f"DistributedDataParallel cannot reduce the parameters of {type(module).__name__}: with several "
+                    "processes they are DTensors. Wrap model.gpu_modules() (the same model, its plain shards as the "
+                    "parameters DDP averages) over the data-parallel group: DistributedDataParallel("
+                    "model.gpu_modules(), process_group=model.mpu.get_data_parallel_group()). accelerate's "
+                    "prepare() wraps over every process: hand it model.gpu_modules() at tensor_parallel_size=1 and "
+                    "pipeline_parallel_size=1; at larger sizes write the loop with DistributedDataParallel as above "
+                    "(USAGE.md, 'Data parallelism'), or use transformers' Trainer (USAGE.md, 'transformers' Trainer')."
+                )
+        return init(self, module, *args, **kwargs)
+
+    checked._oslo_hook = True
+    return checked
 
 
 def _gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int = 2**26) -> Iterator[list[torch.Tensor]]:

@@ -47,8 +47,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.parallel import DistributedDataParallel
 
 from oslo.parallel.context import ParallelContext
+from oslo.parallel.data_parallel import refuse_dtensor_parameters
 from oslo.parallel.mappings import copy_many_to_tensor_parallel
 from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
 
@@ -641,6 +643,8 @@ def _fsdp_sees_blocks(init):
 def install_torch_hooks() -> None:
     """The places where oslo adjusts torch's stock tools to oslo models (installed once, by the first oslo
     model; other models and tensors pass through unchanged)."""
+    if not getattr(DistributedDataParallel.__init__, "_oslo_hook", False):
+        DistributedDataParallel.__init__ = refuse_dtensor_parameters(DistributedDataParallel.__init__)
     if not getattr(_clip_grad._get_total_norm, "_oslo_checks_stages", False):
         _clip_grad._get_total_norm = _refuse_stage_gradients(_clip_grad._get_total_norm)
     verify = getattr(_dcp_state_dict, "_verify_options", None)

@@ -217,6 +217,32 @@ def test_ddp_over_another_group_than_the_data_parallel_one_is_refused(zoo_checkp
     run_distributed(_ddp_over_the_world, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints))
 
 
+def _ddp_of_the_model_itself(rank, world_size, path, batch, tp):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    expected = r"cannot reduce the parameters of GPT2LMHeadModel: .* DTensors.*DistributedDataParallel\(model\.gpu_"
+    with pytest.raises(ValueError, match=expected):
+        DistributedDataParallel(model, process_group=model.mpu.get_data_parallel_group())
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True)  # its recipe: prepare() wraps the model in DDP over every process
+    with pytest.raises(ValueError, match=expected):
+        accelerator.prepare(model)
+    if tp == 1:  # handed gpu_modules(), accelerate's DDP is over the data-parallel group: the recipe trains
+        accelerator.backward(accelerator.prepare(model.gpu_modules())(**batch).loss)
+        assert all(param.grad is not None for param in model.parameters())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_ddp_of_the_model_itself_is_refused_with_the_fix(zoo_checkpoints, tp):
+    """DDP (and accelerate's prepare(), which wraps in DDP) cannot reduce DTensor parameters: a clear error at
+    construction, before any collective, naming gpu_modules(); before, DDP failed inside DTensor's dispatch
+    ("Cannot flatten unevenly sharded tensor")."""
+    run_distributed(_ddp_of_the_model_itself, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints), tp, timeout=50)
+
+
 def _ddp_pipeline_steps(rank, world_size, path):
     """Three steps of the manual's DDP loop at pp 2 (GPT2's tied wte and lm_head on both stages), the optimizer over
     ``model.parameters()`` (the DTensors: torch's ``zero_grad`` clears their gradients, not the storages' that DDP
