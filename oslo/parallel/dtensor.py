@@ -828,8 +828,18 @@ class _PlainLeaves(nn.Module):
     # model for a plain one: ``torch.save(model_ddp.module.state_dict())`` loads into the model (or transformers'),
     # and ``model_ddp.state_dict()`` holds ``module.`` + the model's names. The plain shards are the same weights as
     # the model's DTensors (the same memory): they are neither saved nor loaded on their own.
+    # Without model parallelism (every process a data-parallel replica, the one layout where DDP wraps over every
+    # process, as accelerate does) the values are plain tensors, the whole weights, as DDP's of a plain model are:
+    # accelerate's save_state writes them with safetensors, which cannot write DTensors.
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self._modules["module"].state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        model = self._modules["module"]
+        state = model.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        context = model.parallel_context
+        if context.tensor_parallel_size * context.pipeline_parallel_size == 1:
+            for key, value in state.items():
+                if key.startswith(prefix) and isinstance(value, DTensor):
+                    state[key] = value.to_local()
+        return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         model = self._modules["module"]

@@ -243,6 +243,57 @@ def test_ddp_of_the_model_itself_is_refused_with_the_fix(zoo_checkpoints, tp):
     run_distributed(_ddp_of_the_model_itself, 2, *_gpt2("GPT2LMHeadModel", zoo_checkpoints), tp, timeout=50)
 
 
+def _accelerate_recipe(rank, world_size, path, directory):
+    """accelerate's loop at data parallel 2: prepare(gpu_modules(), optimizer), AdamW steps, save_state and
+    load_state, and the model saved as its examples save it."""
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path).train()
+    model_ddp, optimizer = accelerator.prepare(model.gpu_modules(), torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batches = _global_batch(steps=3)
+
+    def step(input_ids):
+        accelerator.backward(model_ddp(input_ids=input_ids, labels=input_ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return weights()
+
+    def weights():  # copies: without model parallelism a whole tensor may be the parameter's own memory
+        return {name: value.clone() for name, value in full_params(model).items()}
+
+    step(batches[0])
+    accelerator.save_state(os.path.join(directory, "state"))
+    saved, expected = weights(), step(batches[1])
+    step(batches[2])
+    accelerator.load_state(os.path.join(directory, "state"))
+    restored = weights()
+    resumed = step(batches[1])  # AdamW's moments restored too: the same step as before
+    accelerator.unwrap_model(model_ddp).save_pretrained(os.path.join(directory, "model"),
+                                                        is_main_process=accelerator.is_main_process,
+                                                        save_function=accelerator.save)
+    accelerator.wait_for_everyone()
+    return saved, restored, expected, resumed
+
+
+@pytest.mark.timeout(90)
+def test_accelerate_save_state_and_load_state(lm_checkpoint, tmp_path):
+    """accelerate's save_state writes the wrapper's state dict with safetensors: without model parallelism it holds
+    plain tensors (DTensors it could not write: "invalid python storage"), and load_state resumes the run."""
+    for saved, restored, expected, resumed in run_distributed(_accelerate_recipe, 2, lm_checkpoint, str(tmp_path),
+                                                              timeout=80):
+        for name in saved:
+            torch.testing.assert_close(restored[name], saved[name], msg=lambda m, n=name: f"restored {n}: {m}")
+            torch.testing.assert_close(resumed[name], expected[name], msg=lambda m, n=name: f"resumed {n}: {m}")
+    written = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "model"))
+    for name, param in written.named_parameters():
+        torch.testing.assert_close(param, resumed[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _ddp_pipeline_steps(rank, world_size, path):
     """Three steps of the manual's DDP loop at pp 2 (GPT2's tied wte and lm_head on both stages), the optimizer over
     ``model.parameters()`` (the DTensors: torch's ``zero_grad`` clears their gradients, not the storages' that DDP
