@@ -3,7 +3,7 @@
 The Trainer writes a checkpoint from its main process alone: ``save_model`` and each ``checkpoint-N``'s model
 files through ``save_pretrained`` (or, for a module that is not a transformers model, its ``state_dict``), the
 optimizer's state with ``torch.save(optimizer.state_dict())``. No single rank holds a split model's weights or its
-optimizer's state, so those saves are collective: :func:`install` wraps three of the Trainer's methods, and only for
+optimizer's state, so those saves are collective: :func:`install` wraps some of the Trainer's methods, and only for
 oslo models that span several processes (every other model takes the Trainer's own path):
 
 - ``_save`` (``save_model``, and the model files of a checkpoint): every rank takes part in
@@ -19,7 +19,9 @@ oslo models that span several processes (every other model takes the Trainer's o
 
 The model files need no hook to load back (``resume_from_checkpoint``, ``load_best_model_at_end``): the Trainer hands
 their whole tensors to the model's ``load_state_dict``, which an oslo model (or ``gpu_modules()``' wrapper) takes at
-any layout, each rank keeping its slices.
+any layout, each rank keeping its slices; a PEFT model's adapter goes through PEFT's ``load_adapter``. The one case
+the Trainer does not see as PEFT, a PEFT model's replicas handed over as ``gpu_modules()``, saves its adapter too,
+and ``_load_from_checkpoint`` and ``_load_best_model`` read it back with ``load_adapter``.
 
 Every rank must call ``trainer.save_model()``, as with DeepSpeed or FSDP (the Trainer's own checkpoints do).
 """
@@ -60,6 +62,16 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(type(model), "get_base_model") and hasattr(type(model), "load_adapter")
 
 
+def _adapted(trainer_model: nn.Module, oslo_model: nn.Module | None) -> nn.Module | None:
+    """The PEFT model the Trainer trains: the one it holds, or the one around the oslo model that ``gpu_modules()``'
+    wrapper holds (data-parallel replicas of a PEFT model, handed to the Trainer as ``model.gpu_modules()``)."""
+    if _is_peft(trainer_model):
+        return trainer_model
+    reference = getattr(oslo_model, "_oslo_wrapper", None) if oslo_model is not None else None
+    wrapper = reference() if reference is not None else None
+    return wrapper if wrapper is not None and _is_peft(wrapper) else None
+
+
 def _save_hook(save):
     @functools.wraps(save)
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -69,8 +81,9 @@ def _save_hook(save):
         from transformers.trainer import TRAINING_ARGS_NAME
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft(self.model):  # oslo's PEFT saves gather the adapter on every rank; the main process writes
-            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        adapted = _adapted(self.model, model)
+        if adapted is not None:  # oslo's PEFT saves gather the adapter on every rank; the main process writes
+            adapted.save_pretrained(output_dir, is_main_process=self.args.should_save)
         else:
             model.save_pretrained_with_parallel(output_dir, save_with_merging=True)
         if not self.args.should_save:
@@ -140,10 +153,29 @@ def _load_optimizer_hook(load_optimizer):
     return _load_optimizer_and_scheduler
 
 
+def _load_adapter_hook(load):
+    """``_load_from_checkpoint`` (``resume_from_checkpoint``) and ``_load_best_model`` (``load_best_model_at_end``)
+    for a PEFT model handed over as ``gpu_modules()``, whose checkpoints hold its adapter: PEFT's ``load_adapter``,
+    as the Trainer loads a PEFT model it holds itself."""
+
+    @functools.wraps(load)
+    def loading(self, *args, **kwargs):
+        model = split_model(self.model)
+        adapted = None if _is_peft(self.model) else _adapted(self.model, model)
+        if adapted is None or _takes_own_path(self):
+            return load(self, *args, **kwargs)
+        checkpoint = args[0] if args else kwargs.get("resume_from_checkpoint", self.state.best_model_checkpoint)
+        adapted.load_adapter(checkpoint, adapted.active_adapter, is_trainable=True)
+
+    return loading
+
+
 _HOOKS = {
     "_save": _save_hook,
     "_save_optimizer_and_scheduler": _save_optimizer_hook,
     "_load_optimizer_and_scheduler": _load_optimizer_hook,
+    "_load_from_checkpoint": _load_adapter_hook,
+    "_load_best_model": _load_adapter_hook,
 }
 
 

@@ -293,7 +293,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                     f"{context.data_parallel_size} data-parallel replicas: accelerate wraps the model in "
                     "DistributedDataParallel, which cannot reduce its DTensor parameters. Hand the Trainer "
                     "model.gpu_modules() (the same model, its plain shards as the parameters DDP averages): "
-                    "Trainer(model=model.gpu_modules(), args=..., ...) with remove_unused_columns=False."
+                    "Trainer(model=model.gpu_modules(), args=..., ...)."
                 )
             return None
         refusal = _accelerate_refuses_parallelism_config()

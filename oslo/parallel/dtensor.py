@@ -35,6 +35,7 @@ then on, and every gradient they receive is mirrored into the DTensor's ``.grad`
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -877,4 +878,18 @@ def plain_leaves_module(model: nn.Module) -> nn.Module:
     """The module to wrap in ``DistributedDataParallel`` (see :class:`_PlainLeaves`); the model trains its
     storages from now on."""
     use_plain_leaves(model)
-    return _PlainLeaves(model)
+    return _plain_leaves_class(type(model))(model)
+
+
+@functools.cache
+def _plain_leaves_class(model_class: type) -> type:
+    """:class:`_PlainLeaves` for models of ``model_class``: its ``forward`` has the model's signature and its name
+    keeps the model's, which transformers' ``Trainer`` reads from the class (the label names that make it compute
+    an evaluation loss, the batch columns it keeps, a question-answering head's positions)."""
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(model_class.forward)
+    name = f"{model_class.__name__}GpuModules"
+    return type(name, (_PlainLeaves,), {"forward": forward, "__qualname__": name, "__module__": __name__})

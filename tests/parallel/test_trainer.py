@@ -201,7 +201,6 @@ def _data_parallel_trainer(rank, world_size, path, output_dir):
     refused = _refusal(model, arguments)
     _fresh_accelerate_state()
     arguments = _arguments(output_dir, ROWS // world_size)
-    arguments.remove_unused_columns = False  # the wrapper's forward takes **kwargs
     trainer = transformers.Trainer(model=model.gpu_modules(), args=arguments, train_dataset=_Rows())
     trainer.train()
     return refused, full_params(model)
@@ -257,10 +256,8 @@ def _trained_state(model, trained) -> dict[str, torch.Tensor]:
         return full_params(model)
     import peft
 
-    if isinstance(trained, peft.PeftModel):
-        return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-                for name, value in peft.get_peft_model_state_dict(trained).items()}
-    return full_params(model)  # gpu_modules()' wrapper: the model's own weights
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in peft.get_peft_model_state_dict(trained).items()}
 
 
 def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
@@ -279,36 +276,37 @@ def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
         if resume is not None:  # as a new process would: the dropout streams stand elsewhere until resumed
             model.parallel_context.manual_seed(999)
         trained = model
-        if variant == "lora":
+        if variant.startswith("lora"):
             import peft
 
             torch.manual_seed(5)
             trained = peft.get_peft_model(model, _peft_config("lora"))
-        elif tp == 1:
-            trained = model.gpu_modules()
+        # At tensor_parallel_size=1 the Trainer takes gpu_modules(), a PEFT model's too (accelerate's DDP then
+        # averages its plain shards).
+        handed = trained.gpu_modules() if tp == 1 else trained
         arguments = _arguments(output_dir, ROWS // (world_size // tp))
         arguments.save_strategy, arguments.save_steps = "steps", 1
         arguments.optim_args = "momentum=0.9"  # SGD with state of its own; its steps follow the dropout masks
-        arguments.remove_unused_columns = trained is model or variant == "lora"
         arguments.__post_init__()  # the save strategy and optimizer are parsed into their enums there
-        trainer = transformers.Trainer(model=trained, args=arguments, train_dataset=_Rows())
+        trainer = transformers.Trainer(model=handed, args=arguments, train_dataset=_Rows())
         trainer.train(resume_from_checkpoint=resume)
         states.append(_trained_state(model, trained))
         if resume is None:
-            name = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+            name = "adapter_model.safetensors" if variant.startswith("lora") else "model.safetensors"
             saved = safetensors.torch.load_file(os.path.join(output_dir, "checkpoint-2", name))
     return states[0], states[1], saved
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp, variant", [(2, "model"), (2, "lora"), (1, "gpu_modules")],
-                         ids=["tp2", "tp2-lora", "dp2-gpu_modules"])
+@pytest.mark.parametrize("tp, variant", [(2, "model"), (2, "lora"), (1, "model"), (1, "lora")],
+                         ids=["tp2", "tp2-lora", "dp2-gpu_modules", "dp2-lora-gpu_modules"])
 def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp, variant):
     """transformers' Trainer checkpoints a model split over two processes as it checkpoints one of one process
     (``save_strategy="steps"``, the default; the optimizer's momentum and the dropout streams included): its
     checkpoints hold the plain transformers files (the whole model, or PEFT's adapter), and a run resumed from the
     first one finishes with the weights of the uninterrupted run. (Before, the main process alone called
-    save_pretrained: a split model raised, a PEFT model waited for the other ranks forever.)"""
+    save_pretrained: a split model raised, a PEFT model waited for the other ranks forever.) At data parallel 2 the
+    Trainer gets ``gpu_modules()``, a PEFT model's too."""
     if variant == "lora":
         pytest.importorskip("peft")
     for trained, resumed, saved in run_distributed(_checkpointed_run, 2, dropout_checkpoint, str(tmp_path), tp,
@@ -316,7 +314,7 @@ def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp,
         assert sorted(resumed) == sorted(trained)
         for name, value in trained.items():
             torch.testing.assert_close(resumed[name], value, msg=lambda m, n=name: f"resumed {n}: {m}")
-        if variant == "lora":
+        if variant == "lora":  # PEFT's adapter file, also when the Trainer got gpu_modules()
             assert sorted(saved) == sorted(trained)
         else:  # transformers' files hold the tied lm_head once, as wte
             assert sorted(saved) == sorted(name for name in trained if name != "lm_head.weight")
@@ -324,30 +322,48 @@ def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp,
             torch.testing.assert_close(value, trained[name], msg=lambda m, n=name: f"saved {n}: {m}")
 
 
-def _best_model_run(rank, world_size, path, output_dir):
+def _best_model_run(rank, world_size, path, output_dir, variant):
     import safetensors.torch
     from accelerate import Accelerator
 
     _fresh_accelerate_state()
-    _accelerate_takes_cpu(Accelerator)
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2)
-    arguments = _arguments(output_dir, ROWS)
+    if variant == "tp2":
+        _accelerate_takes_cpu(Accelerator)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=2 if variant == "tp2" else 1)
+    trained = model
+    if variant == "dp2-lora-gpu_modules":
+        import peft
+
+        torch.manual_seed(5)
+        trained = peft.get_peft_model(model, _peft_config("lora"))
+    arguments = _arguments(output_dir, ROWS if variant == "tp2" else ROWS // 2)
     arguments.save_strategy = arguments.eval_strategy = "steps"
     arguments.save_steps = arguments.eval_steps = 1
-    # The highest evaluation loss is "best": the first checkpoint's model, not the last one's.
-    arguments.load_best_model_at_end, arguments.metric_for_best_model, arguments.greater_is_better = True, "loss", True
+    # "Best" is the first checkpoint's model, not the last one's: the highest evaluation loss of the model (whose
+    # loss falls at the second step), the lowest of the adapter (whose loss rises at the second step, at lr 0.5).
+    arguments.load_best_model_at_end, arguments.metric_for_best_model = True, "loss"
+    arguments.greater_is_better = trained is model
     arguments.__post_init__()
-    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Rows(), eval_dataset=_Rows())
+    trainer = transformers.Trainer(model=trained if variant == "tp2" else trained.gpu_modules(), args=arguments,
+                                   train_dataset=_Rows(), eval_dataset=_Rows())
     trainer.train()
-    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
-    return os.path.basename(trainer.state.best_model_checkpoint), best, full_params(model)
+    losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(losses) == 2 and (losses[0] > losses[1]) == (trained is model), losses
+    name = "model.safetensors" if trained is model else "adapter_model.safetensors"
+    best = safetensors.torch.load_file(os.path.join(trainer.state.best_model_checkpoint, name))
+    return os.path.basename(trainer.state.best_model_checkpoint), best, _trained_state(model, trained)
 
 
 @pytest.mark.timeout(120)
-def test_trainer_loads_the_best_checkpoint_at_the_end(checkpoint, tmp_path):
+@pytest.mark.parametrize("variant", ["tp2", "dp2-lora-gpu_modules"])
+def test_trainer_loads_the_best_checkpoint_at_the_end(checkpoint, tmp_path, variant):
     """``load_best_model_at_end`` puts the best checkpoint's weights back into a split model (every rank reads its
-    slices of the transformers files the checkpoint holds)."""
-    for name, best, params in run_distributed(_best_model_run, 2, checkpoint, str(tmp_path), timeout=110):
+    slices of the transformers files the checkpoint holds), or its adapter into a PEFT model's replicas handed to
+    the Trainer as ``gpu_modules()``."""
+    if variant != "tp2":
+        pytest.importorskip("peft")
+    for name, best, params in run_distributed(_best_model_run, 2, checkpoint, str(tmp_path), variant, timeout=110):
         assert name == "checkpoint-1"
+        assert sorted(best) == sorted(key for key in params if key != "lm_head.weight")
         for key, value in best.items():
             torch.testing.assert_close(params[key], value, msg=lambda m, k=key: f"{k}: {m}")
