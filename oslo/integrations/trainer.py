@@ -69,7 +69,12 @@ def _adapted(trainer_model: nn.Module, oslo_model: nn.Module | None) -> nn.Modul
         return trainer_model
     reference = getattr(oslo_model, "_oslo_wrapper", None) if oslo_model is not None else None
     wrapper = reference() if reference is not None else None
-    return wrapper if wrapper is not None and _is_peft(wrapper) else None
+    if wrapper is None or not _is_peft(wrapper) or wrapper.get_base_model() is not oslo_model:
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer  # PEFT made the wrapper: it is installed
+
+    # Still adapted (merge_and_unload() leaves the wrapper behind, around a plain model).
+    return wrapper if any(isinstance(module, BaseTunerLayer) for module in oslo_model.modules()) else None
 
 
 def _save_hook(save):

@@ -367,3 +367,28 @@ def test_trainer_loads_the_best_checkpoint_at_the_end(checkpoint, tmp_path, vari
         assert sorted(best) == sorted(key for key in params if key != "lm_head.weight")
         for key, value in best.items():
             torch.testing.assert_close(params[key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _merged_adapter_run(rank, world_size, path, output_dir):
+    import peft
+
+    _fresh_accelerate_state()
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path)
+    torch.manual_seed(5)
+    adapted = peft.get_peft_model(model, _peft_config("lora"))
+    merged = adapted.merge_and_unload()  # the PEFT model is left behind, around the plain model
+    merged.requires_grad_(True)  # PEFT froze the base weights: train them all now
+    arguments = _arguments(output_dir, ROWS // world_size)
+    arguments.save_strategy, arguments.save_steps = "steps", 1
+    arguments.__post_init__()
+    transformers.Trainer(model=merged.gpu_modules(), args=arguments, train_dataset=_Rows()).train()
+    return sorted(os.listdir(os.path.join(output_dir, "checkpoint-2")))
+
+
+@pytest.mark.timeout(60)
+def test_a_merged_adapter_saves_the_model(checkpoint, tmp_path):
+    """After merge_and_unload() the model is plain again, though the PEFT model that adapted it still exists: the
+    Trainer's checkpoints of its gpu_modules() hold the model's transformers files, not an adapter."""
+    pytest.importorskip("peft")
+    for files in run_distributed(_merged_adapter_run, 2, checkpoint, str(tmp_path), timeout=50):
+        assert "model.safetensors" in files and "adapter_model.safetensors" not in files, files
