@@ -47,12 +47,11 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def layout(context) -> str:
-    """The (tp, pp, dp) layout as the saved states record it."""
+def _layout(context) -> str:
     return f"tp={context.tensor_parallel_size},pp={context.pipeline_parallel_size},dp={context.data_parallel_size}"
 
 
-def random_streams(context) -> dict[str, object]:
+def _random_streams(context) -> dict[str, object]:
     """This rank's random streams under keys that say whose they are (DCP keeps one value per key): the replicated
     stream, the split one and torch's default generator."""
     place = f"pp{context.pipeline_parallel_rank}.tp{context.tensor_parallel_rank}.dp{context.data_parallel_rank}"
@@ -64,9 +63,24 @@ def random_streams(context) -> dict[str, object]:
     }
 
 
+def random_state(context) -> dict[str, object]:
+    """The entries of a saved state that hold this rank's random streams (``"rng"``) and the layout that saved them
+    (``"layout"``)."""
+    return {"layout": _layout(context), "rng": _random_streams(context)}
+
+
+def random_streams_to_load(context, directory: str) -> dict[str, object]:
+    """This rank's random streams, for ``dcp.load`` to fill from the state in ``directory`` (under ``"rng"``) and
+    :func:`restore_random_streams` to set: all of them where this layout saved it, else the replicated stream alone
+    (the per-rank streams of another layout mean nothing here)."""
+    saved = {"layout": ""}
+    dcp.load(saved, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
+    streams = _random_streams(context)
+    return streams if saved["layout"] == _layout(context) else {"replicated": streams["replicated"]}
+
+
 def restore_random_streams(context, streams: dict[str, object]) -> None:
-    """Set this rank's random streams to ``streams`` (as :func:`random_streams` returned them; the entries of one
-    rank's streams only)."""
+    """Set this rank's random streams to ``streams`` (as :func:`random_streams_to_load` gave them, filled)."""
     context.rng._states["replicated"] = streams["replicated"]
     for key, value in streams.items():
         if key.startswith("split."):
@@ -84,8 +98,7 @@ def _state(model: nn.Module, optimizer, scheduler, step, extra) -> dict[str, obj
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         "step": step,
         "extra": json.dumps(extra if extra is not None else {}),  # one value: DCP would walk into a dict
-        "layout": layout(context),
-        "rng": random_streams(context),
+        **random_state(context),
     }
 
 
@@ -151,10 +164,7 @@ def load_training_state(directory: str | os.PathLike, model: nn.Module, optimize
         )
     context = model.parallel_context
     state = _state(model, optimizer, scheduler, None, None)
-    saved = {"layout": ""}
-    dcp.load(saved, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
-    if saved["layout"] != state["layout"]:  # per-rank streams of another layout: keep this run's own
-        state["rng"] = {"replicated": state["rng"]["replicated"]}
+    state["rng"] = random_streams_to_load(context, directory)
     moved = _read_ties_from_their_source(model, state["optimizer"], directory)
     dcp.load(state, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
     for name, source in moved.items():

@@ -38,7 +38,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from oslo.parallel.dtensor import is_distributed
-from oslo.training_state import WeightsOnlyLoadPlanner, layout, random_streams, restore_random_streams
+from oslo.training_state import (
+    WeightsOnlyLoadPlanner,
+    random_state,
+    random_streams_to_load,
+    restore_random_streams,
+)
 
 OPTIMIZER_DIRECTORY = "optimizer"
 
@@ -118,11 +123,7 @@ def _save_optimizer_hook(save_optimizer):
         from transformers.trainer import SCHEDULER_NAME
 
         context = model.parallel_context
-        state = {
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            "layout": layout(context),
-            "rng": random_streams(context),
-        }
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), **random_state(context)}
         dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIRECTORY))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -140,14 +141,10 @@ def _load_optimizer_hook(load_optimizer):
         from transformers.trainer import SCHEDULER_NAME
 
         context = model.parallel_context
-        saved = {"layout": ""}
-        dcp.load(saved, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
         state = {
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            "rng": random_streams(context),
+            "rng": random_streams_to_load(context, directory),
         }
-        if saved["layout"] != layout(context):  # the per-rank streams of another layout: keep this run's own
-            state["rng"] = {"replicated": state["rng"]["replicated"]}
         dcp.load(state, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         restore_random_streams(context, state["rng"])
