@@ -25,7 +25,9 @@ How it counts, on every rank:
   name, the bytes of this rank's input tensor(s), the phase (forward / backward) and the module it
   ran in (forward: the innermost module whose ``forward`` is running; backward: the module whose
   output gradient arrived last, set by tensor hooks on module outputs), plus the oslo source line
-  that made the call;
+  that made the call; a small all-reduce on gloo, which oslo runs as one ``all_to_all_single`` of
+  world-size copies of the tensor (``oslo/parallel/collectives.py``), is recorded as the
+  ``all_reduce`` it stands for, with the bytes of the tensor reduced;
 * independently, a ``TorchDispatchMode`` counts the ``c10d.*`` operators that reach the process
   group, so a collective issued some other way (a ``from torch.distributed import ...`` alias,
   DTensor, a C++ path) would still show up as a mismatch.
@@ -59,6 +61,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import oslo  # noqa: F401 - imported once before the ranks fork (the architectures use it)
+from oslo.parallel.collectives import eager_all_reduce
 
 COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -150,7 +153,10 @@ class CommCounter:
         def wrapper(*args, **kwargs):
             # Collectives built from others (all_gather_object -> all_gather) count once, at the top.
             if self.phase is not None and self._depth == 0:
-                tensor = _input_of(name, args, kwargs)
+                tensor, op = _input_of(name, args, kwargs), name
+                if name == "all_to_all_single" and sys._getframe(1).f_code is eager_all_reduce.__code__:
+                    # A small all-reduce on gloo: one all-to-all of this rank's tensor, repeated for every rank.
+                    tensor, op = tensor[0], "all_reduce"
                 if self.phase == "forward":  # the input check runs before the model's forward starts
                     module = self.module_stack[-1] if self.module_stack else None
                 else:
@@ -158,7 +164,7 @@ class CommCounter:
                 group = kwargs.get("group")
                 is_tensor = isinstance(tensor, torch.Tensor)
                 self.records.append({
-                    "phase": self.phase, "op": name, "module": module or "<model>",
+                    "phase": self.phase, "op": op, "module": module or "<model>",
                     "bytes": _tensor_bytes(tensor), "numel": _numel(tensor), "shape": _shape(tensor),
                     "dtype": str(tensor.dtype).removeprefix("torch.") if is_tensor else "-",
                     "caller": _oslo_caller(), "group_size": dist.get_world_size(group),

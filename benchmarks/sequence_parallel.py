@@ -39,8 +39,9 @@ import _tp_harness as h
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter_single": "reduce_scatter",
-               "reduce_scatter_tensor": "reduce_scatter"}
+# A small all-reduce on gloo goes as one all_to_all_single of world-size copies (oslo/parallel/collectives.py).
+COLLECTIVES = {"all_reduce": "all_reduce", "all_to_all_single": "all_reduce", "all_gather": "all_gather",
+               "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
 
 
 def _measure(rank: int, world_size: int, arch: str, layers: int, seq: int, batch: int, sp: bool) -> dict:
@@ -65,7 +66,7 @@ def _measure(rank: int, world_size: int, arch: str, layers: int, seq: int, batch
 
     def counting(name, original):
         def call(*args, **kwargs):
-            tensor = args[1] if name != "all_reduce" else args[0]
+            tensor = args[0] if name == "all_reduce" else args[1][0] if name == "all_to_all_single" else args[1]
             kind = COLLECTIVES[name]
             count, nbytes = counts[phase[0]].get(kind, (0, 0))
             counts[phase[0]][kind] = (count + 1, nbytes + tensor.numel() * tensor.element_size())

@@ -70,17 +70,23 @@ def assert_same_grads(reference, model, **tolerances) -> None:
 
 
 class CountAllReduces:
-    """Counts ``torch.distributed.all_reduce`` calls while entered (the tensor-parallel mappings call it)."""
+    """Counts the all-reduces of torch.distributed while entered (the tensor-parallel mappings make them):
+    ``all_reduce`` calls, and the ``all_to_all_single`` calls that stand for a small one on gloo
+    (:func:`oslo.parallel.collectives.eager_all_reduce`)."""
 
     def __enter__(self):
-        self.count, self.original = 0, dist.all_reduce
+        self.count, self.originals = 0, {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single")}
 
-        def counting(*args, **kwargs):
-            self.count += 1
-            return self.original(*args, **kwargs)
+        def counting(original):
+            def count(*args, **kwargs):
+                self.count += 1
+                return original(*args, **kwargs)
+            return count
 
-        dist.all_reduce = counting
+        for name, original in self.originals.items():
+            setattr(dist, name, counting(original))
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce = self.original
+        for name, original in self.originals.items():
+            setattr(dist, name, original)

@@ -309,7 +309,8 @@ def _groups_used(rank, world_size, path, target):
     import torch.distributed as dist
 
     used = []
-    names = ("all_gather_object", "send", "recv", "broadcast", "all_reduce", "all_gather", "gather", "barrier")
+    names = ("all_gather_object", "send", "recv", "broadcast", "all_reduce", "all_to_all_single", "all_gather",
+             "gather", "barrier")
     originals = {name: getattr(dist, name) for name in names}
 
     def recording(name):

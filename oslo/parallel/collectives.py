@@ -24,10 +24,29 @@ def group_rank(group) -> int:
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+# gloo's ring all-reduce cuts a tensor into 2 x world segments and passes each one around the ring: 4 (world - 1)
+# messages a rank, each one a hand-off between gloo's threads, so that a tensor of a few bytes costs what one of a
+# MiB costs. Up to this size a CPU tensor on a gloo group goes in one round instead: every rank sends its whole
+# tensor to every other (one all-to-all, world - 1 messages each way) and reduces the world's copies itself, in
+# rank order (the same bits on every rank). benchmarks/gloo_all_reduce.py measures both ways.
+GLOO_ONE_ROUND_BYTES = 256 * 1024
+
+
+def _one_round(tensor: torch.Tensor, group) -> bool:
+    return (tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= GLOO_ONE_ROUND_BYTES
+            and dist.get_backend(group) == dist.Backend.GLOO)
+
+
 def eager_all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
     """The sum (``op="max"``: the maximum) of ``tensor`` over ``group``, in place of a contiguous ``tensor``, waited
     for as :func:`oslo.parallel.failure.wait` waits (``what``: for its errors)."""
     tensor = tensor.contiguous()
+    world = group_size(group)
+    if world > 1 and _one_round(tensor, group):
+        copies = tensor.new_empty((world, *tensor.shape))
+        sent = tensor.expand(world, *tensor.shape).contiguous()
+        failure.wait(dist.all_to_all_single(copies, sent, group=group, async_op=True), group, what)
+        return tensor.copy_(copies.sum(0, dtype=tensor.dtype) if op == "sum" else copies.amax(0))
     failure.wait(dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True), group, what)
     return tensor
 

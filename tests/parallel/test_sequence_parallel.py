@@ -81,9 +81,10 @@ def test_with_data_parallelism_and_activation_checkpointing(zoo_checkpoints, arc
 
 
 class CountCollectives:
-    """Counts the all-reduces, all-gathers and reduce-scatters torch.distributed runs while entered."""
+    """Counts the all-reduces, all-gathers and reduce-scatters torch.distributed runs while entered (a small
+    all-reduce on gloo is one all-to-all: :func:`oslo.parallel.collectives.eager_all_reduce`)."""
 
-    NAMES = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+    NAMES = {"all_reduce": "all_reduce", "all_to_all_single": "all_reduce", "all_gather": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
 
     def __enter__(self):
