@@ -1,4 +1,5 @@
-"""transformers' ``Trainer`` saving and resuming an oslo model whose parameters are split over several processes.
+"""transformers' ``Trainer`` saving, resuming and evaluating an oslo model whose parameters are split over several
+processes.
 
 The Trainer writes a checkpoint from its main process alone: ``save_model`` and each ``checkpoint-N``'s model
 files through ``save_pretrained`` (or, for a module that is not a transformers model, its ``state_dict``), the
@@ -24,6 +25,9 @@ the Trainer does not see as PEFT, a PEFT model's replicas handed over as ``gpu_m
 and ``_load_from_checkpoint`` and ``_load_best_model`` read it back with ``load_adapter``.
 
 Every rank must call ``trainer.save_model()``, as with DeepSpeed or FSDP (the Trainer's own checkpoints do).
+
+Evaluation (``evaluate``, ``predict``) gathers every process's outputs, while the ranks of a tensor-parallel group
+compute on the same rows: ``evaluation_loop`` is wrapped to keep one copy of them (:func:`_evaluation_loop_hook`).
 """
 
 from __future__ import annotations
@@ -172,12 +176,70 @@ def _load_adapter_hook(load):
     return loading
 
 
+def _one_copy_per_replica(accelerator, gather_function, context):
+    """``gather_function`` (the Trainer's ``gather_for_metrics``) keeping, of what every process sent, one copy of each
+    data-parallel replica's rows: the first tensor-parallel rank's (of the last stage, which holds the outputs).
+    Only the gather of its results: the count of label tokens that the Trainer sums with ``accelerator.gather`` in the
+    same loop (and divides by ``tensor_parallel_size`` itself) is left as it is."""
+    from accelerate.utils import recursively_apply
+
+    keep = [context.global_rank(replica, context.pipeline_parallel_size - 1, 0)
+            for replica in range(context.data_parallel_size)]
+
+    def one_copy(tensor: torch.Tensor) -> torch.Tensor:
+        parts = tensor.chunk(context.world_size)
+        return torch.cat([parts[rank] for rank in keep])
+
+    gather = accelerator.gather
+
+    def gather_once(data):
+        return recursively_apply(one_copy, gather(data))
+
+    if getattr(gather_function, "__self__", None) is accelerator and gather_function.__name__ == "gather":
+        return gather_once
+
+    @functools.wraps(gather_function)
+    def gathering(*args, **kwargs):
+        accelerator.gather = gather_once  # what gather_for_metrics calls before it cuts the last batch's repeats
+        try:
+            return gather_function(*args, **kwargs)
+        finally:
+            del accelerator.gather
+
+    return gathering
+
+
+def _evaluation_loop_hook(loop):
+    """``evaluation_loop`` (``evaluate``, ``predict``) of a tensor-parallel model. The Trainer gathers each batch's
+    losses, predictions and labels from every process (accelerate's ``gather_for_metrics``), while accelerate gives
+    the ranks of one tensor-parallel group the same rows (it shards the data over the replicas): each row would come
+    back once per tensor-parallel rank (``predict()`` returning ``tensor_parallel_size`` copies), and the cut of the
+    last batch (the rows it repeats to fill the replicas' batches) would keep the wrong rows. While the loop runs, the
+    Trainer's gather keeps one copy (the loop itself sets it back when it ends)."""
+
+    @functools.wraps(loop)
+    def evaluation_loop(self, *args, **kwargs):
+        model = split_model(self.model)
+        if model is None or model.parallel_context.tensor_parallel_size == 1 or _takes_own_path(self):
+            return loop(self, *args, **kwargs)
+        original = self.gather_function
+        self.gather_function = _one_copy_per_replica(self.accelerator, original, model.parallel_context)
+        try:
+            return loop(self, *args, **kwargs)
+        finally:
+            if self.gather_function is not original and self.gather_function.__name__ != "gather_for_metrics":
+                self.gather_function = original
+
+    return evaluation_loop
+
+
 _HOOKS = {
     "_save": _save_hook,
     "_save_optimizer_and_scheduler": _save_optimizer_hook,
     "_load_optimizer_and_scheduler": _load_optimizer_hook,
     "_load_from_checkpoint": _load_adapter_hook,
     "_load_best_model": _load_adapter_hook,
+    "evaluation_loop": _evaluation_loop_hook,
 }
 
 

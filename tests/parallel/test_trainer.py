@@ -392,3 +392,61 @@ def test_a_merged_adapter_saves_the_model(checkpoint, tmp_path):
     pytest.importorskip("peft")
     for files in run_distributed(_merged_adapter_run, 2, checkpoint, str(tmp_path), timeout=50):
         assert "model.safetensors" in files and "adapter_model.safetensors" not in files, files
+
+
+class _SevenRows(torch.utils.data.Dataset):
+    """Seven rows: the last evaluation batch of two replicas is cut (accelerate repeats rows to fill it)."""
+
+    def __init__(self) -> None:
+        self.input_ids = torch.randint(3, 1001, (7, 10), generator=torch.Generator().manual_seed(5))
+        self.labels = self.input_ids.clone()
+        for row, cut in enumerate([0, 4, 2, 0, 6, 1, 3]):
+            self.labels[row, :cut] = -100
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+
+def _evaluation_arguments(output_dir: str, per_device_rows: int) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(output_dir=output_dir, per_device_eval_batch_size=per_device_rows,
+                                          report_to=[], use_cpu=True)
+
+
+def _predicted(trainer) -> tuple:
+    output = trainer.predict(_SevenRows())
+    evaluated = trainer.evaluate(_SevenRows())
+    return output.predictions, output.label_ids, output.metrics["test_loss"], evaluated["eval_loss"]
+
+
+def _predict_run(rank, world_size, path, output_dir, tp):
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    _accelerate_takes_cpu(Accelerator)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    return _predicted(transformers.Trainer(model=model, args=_evaluation_arguments(output_dir, 2)))
+
+
+def _reference_predict_run(rank, world_size, path, output_dir, rows):
+    _fresh_accelerate_state()
+    model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    return _predicted(transformers.Trainer(model=model, args=_evaluation_arguments(output_dir, rows)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp, dp", [(2, 1), (2, 2)], ids=["tp2", "tp2-dp2"])
+def test_trainer_predicts_each_row_once(checkpoint, tmp_path, tp, dp):
+    """predict() and evaluate() at tensor parallel 2 give what transformers' model gives on as many replicas: each
+    row once (the ranks of a tensor-parallel group hold the same rows), in order, the same logits, labels and loss
+    (of two replicas, the Trainer's own average: the last batch's repeated row counts in the loss)."""
+    expected = run_distributed(_reference_predict_run, dp, checkpoint, str(tmp_path / "reference"), 2)[0]
+    for predictions, labels, loss, eval_loss in run_distributed(_predict_run, tp * dp, checkpoint,
+                                                                str(tmp_path / "oslo"), tp, timeout=100):
+        assert predictions.shape == expected[0].shape == (7, 10, 1001)
+        torch.testing.assert_close(torch.from_numpy(predictions), torch.from_numpy(expected[0]))
+        assert (labels == expected[1]).all()
+        torch.testing.assert_close(loss, expected[2])
+        torch.testing.assert_close(eval_loss, expected[3])
