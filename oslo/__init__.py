@@ -42,6 +42,7 @@ _EXPORTS: dict[str, list[str]] = {
     "oslo.parallel": ["ParallelContext", "clip_grad_norm_"],
     "oslo.training_state": ["save_training_state", "load_training_state"],
     "oslo.conversion": ["convert_state_dict"],
+    "oslo.checkpoint": ["save_tensor_parallel"],
     "oslo.reshard": ["reshard_checkpoint"],
     "oslo.initialization": ["initialize"],
     "oslo.data": ["DatasetPreprocessor", "DatasetForCausalLM", "DatasetBlender", "DistributedProxySampler",

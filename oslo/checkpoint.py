@@ -23,6 +23,7 @@ atomically (see :class:`StagedSave`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -1146,6 +1147,83 @@ def save_merged(
 
     save.step(finish, "indexing")
     save.publish()
+
+
+def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on every rank, as transformers' model of one process returns it: every
+    parameter's name (tied ones included, several names for one tensor), whole tensors in transformers' shapes
+    (gathered over the tensor-parallel group, unpadded, and broadcast from the stage that holds them). Collective
+    over all ranks of the model, which call it in the same order; each rank ends up holding the whole model."""
+    context: ParallelContext = model.parallel_context
+    saved = list(_saved_parameters(model))
+    local = {name: (tensor, spec) for name, tensor, spec in saved}
+    aliases = {**tied_keys(model), **cross_stage_tied_copies(model)}  # this stage's other names of a tensor
+    if context.pipeline_parallel_size > 1:
+        stages: list[dict | None] = [None] * context.pipeline_parallel_size
+        dist.all_gather_object(stages, aliases, group=context.pipeline_parallel_group)
+        aliases = {name: source for stage in stages for name, source in stage.items()}
+    whole: dict[str, torch.Tensor] = {}
+    for entry in _pipeline_entries(model, saved):
+        if entry.tied_copy:
+            continue
+        if entry.stage == context.pipeline_parallel_rank:
+            tensor, spec = local[entry.name]
+            if spec is None:
+                full = tensor
+            elif context.tensor_parallel_size == 1:
+                full = spec.merge([tensor])
+            else:
+                parts = [torch.empty_like(tensor) for _ in range(context.tensor_parallel_size)]
+                dist.all_gather(parts, tensor.contiguous(), group=context.tensor_parallel_group)
+                full = spec.merge(parts)
+        else:
+            full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
+        if context.pipeline_parallel_size > 1:
+            full = full.contiguous()
+            dist.broadcast(full, context.pipeline_parallel_global_rank(entry.stage),
+                           group=context.pipeline_parallel_group)
+        whole[entry.name] = full
+    while aliases:  # a tie's other names (a cross-stage copy's source may itself be another name's copy)
+        resolved = {name: whole[source] for name, source in aliases.items() if source in whole}
+        if not resolved:
+            raise RuntimeError(f"oslo: tied weights without a saved source: {sorted(aliases.items())}")
+        whole.update(resolved)
+        aliases = {name: source for name, source in aliases.items() if name not in resolved}
+    return whole
+
+
+@contextlib.contextmanager
+def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
+    """A context in which ``model`` (an oslo model, split or not) saves as if it had never been split, as the
+    ``tensor_parallel`` library's context of this name does:
+
+    - ``model.state_dict()`` returns the whole model as transformers' model of one process returns it (every name,
+      tied ones included, whole tensors in transformers' shapes: :func:`whole_state_dict`), on every rank, so
+      every rank calls it; ``torch.save(model.state_dict(), path)`` on one rank then writes what transformers'
+      ``load_state_dict`` takes;
+    - ``model.save_pretrained(directory)`` writes a plain transformers checkpoint (the merged save of
+      :meth:`~oslo.models.base.OsloPreTrainedModel.save_pretrained_with_parallel`: every rank calls it, rank 0
+      writes), with or without ``is_main_process``.
+
+    Outside the context both are as before (this rank's DTensors; ``save_pretrained`` asking for
+    ``is_main_process``)."""
+    if not hasattr(type(model), "save_pretrained_with_parallel"):
+        raise TypeError(
+            f"save_tensor_parallel takes an oslo model (what from_pretrained_with_parallel, "
+            f"from_config_with_parallel or oslo.initialize returned), got {type(model).__name__}: unwrap it first "
+            "(DDP's .module, PEFT's get_base_model())."
+        )
+    depth = model.__dict__.get("_oslo_saving_whole", 0)
+    model.__dict__["_oslo_saving_whole"] = depth + 1
+    try:
+        yield model
+    finally:
+        model.__dict__["_oslo_saving_whole"] = depth
+
+
+def saving_whole(model: nn.Module) -> bool:
+    """Whether ``model`` is inside :func:`save_tensor_parallel`."""
+    return model.__dict__.get("_oslo_saving_whole", 0) > 0
 
 
 def plan_shards(entries: list, max_shard_size: int, nbytes: Callable[[object], int]) -> list[list]:

@@ -374,3 +374,61 @@ def test_a_transformers_state_dict_reaches_the_tied_copy_under_pipelines(lm_chec
     expected = _reference_logits(str(tmp_path))
     for logits in results:
         torch.testing.assert_close(logits, expected)
+
+
+# The tensor_parallel manual's saving context: its cases (the anchors of every architecture, and the tied Llama).
+WHOLE_CASES = ("gpt2", "gpt_neo", "bert", "t5", "llama", "llama_tied")
+
+
+def _whole_cases():
+    from tests.models import zoo
+
+    anchors = {case.arch: case for case in zoo.all_cases() if case.anchor}
+    tied = next(case for case in zoo.all_cases() if case.key == "LlamaForCausalLM-tied")
+    return {**anchors, "llama_tied": tied}
+
+
+def _saved_whole(rank, world_size, roots, tp, pp, target):
+    checked = []
+    for name in WHOLE_CASES:
+        case = _whole_cases()[name]
+        path = os.path.join(roots[case.arch], case.key)
+        model = getattr(oslo, case.name).from_pretrained_with_parallel(
+            path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        expected = getattr(transformers, case.name).from_pretrained(path).state_dict()
+        with oslo.save_tensor_parallel(model):
+            whole = model.state_dict()
+            prefixed = model.state_dict(prefix="model.")
+            directory = os.path.join(target, case.key)
+            model.save_pretrained(directory)  # no is_main_process: every rank takes part, rank 0 writes
+        assert sorted(whole) == sorted(expected), (case.key, sorted(set(whole) ^ set(expected)))
+        for key, value in expected.items():
+            assert torch.equal(whole[key], value), f"{case.key}: {key}"
+            assert prefixed["model." + key] is whole[key] or torch.equal(prefixed["model." + key], value)
+        if rank == 0:
+            file = os.path.join(target, f"{case.key}.pt")
+            torch.save(whole, file)
+            plain = getattr(transformers, case.name).from_pretrained(path)
+            plain.load_state_dict(torch.load(file, weights_only=True), strict=True)  # what the manual's user does
+            for key, value in plain.state_dict().items():
+                assert torch.equal(value, expected[key]), f"{case.key}: {key} through torch.save"
+            loaded, info = getattr(transformers, case.name).from_pretrained(directory, output_loading_info=True)
+            assert not info["missing_keys"] and not info["unexpected_keys"], (case.key, info)
+            for key, value in loaded.state_dict().items():
+                assert torch.equal(value, expected[key]), f"{case.key}: {key} through save_pretrained"
+        if tp * pp > 1:  # outside the context: this rank's parameters again
+            assert sorted(model.state_dict()) != sorted(expected) or any(
+                isinstance(value, torch.distributed.tensor.DTensor) for value in model.state_dict().values())
+        checked.append(case.key)
+    return checked
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_save_tensor_parallel_saves_as_if_never_split(zoo_checkpoints, tmp_path, tp, pp):
+    """``with oslo.save_tensor_parallel(model):`` (the tensor_parallel manual's context), then ``torch.save(
+    model.state_dict(), ...)`` or ``model.save_pretrained(...)``: what transformers' model of one process saves, its
+    every key (tied ones included) and tensor, at every layout."""
+    roots = {case.arch: zoo_checkpoints(case.arch) for case in _whole_cases().values()}
+    expected = [_whole_cases()[name].key for name in WHOLE_CASES]
+    results = run_distributed(_saved_whole, tp * pp, roots, tp, pp, str(tmp_path), timeout=240)
+    assert results == [expected] * (tp * pp)

@@ -530,6 +530,14 @@ class OsloPreTrainedModel(PreTrainedModel):
         ``load_state_dict`` of such a dict works at the same layout. With pipelines only this stage's weights
         are there. For a checkpoint of the whole model use :meth:`save_pretrained_with_parallel`
         (``save_with_merging=True``: plain transformers files)."""
+        if ckpt.saving_whole(self):  # inside oslo.save_tensor_parallel(model): the whole model, on every rank
+            destination = kwargs.get("destination", args[0] if args else None)
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            whole = {prefix + name: tensor for name, tensor in ckpt.whole_state_dict(self).items()}
+            if destination is None:
+                return whole
+            destination.update(whole)
+            return destination
         if is_distributed(self) and trains_plain_leaves(self):
             follow_storages(self)
         return super().state_dict(*args, **kwargs)
@@ -829,8 +837,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 ``push_to_hub`` (oslo has no hub access).
         """
         context = self.parallel_context
-        if context.tensor_parallel_size * context.pipeline_parallel_size > 1:
-            if args or "is_main_process" not in kwargs:
+        if context.tensor_parallel_size * context.pipeline_parallel_size > 1 or ckpt.saving_whole(self):
+            if args or ("is_main_process" not in kwargs and not ckpt.saving_whole(self)):
                 raise RuntimeError(
                     f"save_pretrained of a model split over {context.world_size} processes gathers its weights from "
                     "every rank. Call it on every rank with is_main_process=(rank == 0), as transformers saves a "
