@@ -4,8 +4,9 @@ processes.
 The Trainer writes a checkpoint from its main process alone: ``save_model`` and each ``checkpoint-N``'s model
 files through ``save_pretrained`` (or, for a module that is not a transformers model, its ``state_dict``), the
 optimizer's state with ``torch.save(optimizer.state_dict())``. No single rank holds a split model's weights or its
-optimizer's state, so those saves are collective: :func:`install` wraps some of the Trainer's methods, and only for
-oslo models that span several processes (every other model takes the Trainer's own path):
+optimizer's state, so those saves are collective: :func:`install` wraps some of the Trainer's methods, for oslo
+models that span several processes (and, for the optimizer's state, oslo models of one process; every other model
+takes the Trainer's own path):
 
 - ``_save`` (``save_model``, and the model files of a checkpoint): every rank takes part in
   ``save_pretrained_with_parallel(save_with_merging=True)``, a plain transformers checkpoint published atomically
@@ -13,10 +14,12 @@ oslo models that span several processes (every other model takes the Trainer's o
   ``save_pretrained`` (the whole adapter); the main process then writes the tokenizer and the training arguments as
   the Trainer does.
 - ``_save_optimizer_and_scheduler``: the optimizer's state goes to ``optimizer/`` with
-  ``torch.distributed.checkpoint`` (each rank writes its slices, keyed by parameter name: torch's
+  ``torch.distributed.checkpoint`` (each rank writes its slices, keyed by the model's parameter names: torch's
   ``get_optimizer_state_dict`` as oslo adjusts it, see :mod:`oslo.parallel.dtensor`), with the model's random
-  streams (dropout); the scheduler's state to ``scheduler.pt``, as the Trainer writes it.
-- ``_load_optimizer_and_scheduler``: the reverse, each rank reading its slices (``resume_from_checkpoint``).
+  streams (dropout); the scheduler's state to ``scheduler.pt``, as the Trainer writes it. An oslo model in one
+  process saves the same way, so that every oslo checkpoint resumes at any layout.
+- ``_load_optimizer_and_scheduler``: the reverse, each rank reading its slices (``resume_from_checkpoint``), at
+  the layout that saved them or another one.
 
 The model files need no hook to load back (``resume_from_checkpoint``, ``load_best_model_at_end``): the Trainer hands
 their whole tensors to the model's ``load_state_dict``, which an oslo model (or ``gpu_modules()``' wrapper) takes at
@@ -41,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from oslo.parallel.dtensor import is_distributed
+from oslo.parallel.dtensor import is_distributed, model_parameter_names
 from oslo.training_state import (
     WeightsOnlyLoadPlanner,
     random_state,
@@ -52,19 +55,25 @@ from oslo.training_state import (
 OPTIMIZER_DIRECTORY = "optimizer"
 
 
-def split_model(model: nn.Module | None) -> nn.Module | None:
-    """The oslo model in ``model`` (itself, a PEFT model's base, the module of ``gpu_modules()``' or DDP's wrapper)
-    when its parameters span several processes; ``None`` otherwise."""
+def oslo_model(model: nn.Module | None) -> nn.Module | None:
+    """The oslo model in ``model`` (itself, a PEFT model's base, the module of ``gpu_modules()``' or DDP's
+    wrapper); ``None`` if there is none."""
     seen: set[int] = set()
     while model is not None and id(model) not in seen:
         seen.add(id(model))
         if hasattr(type(model), "save_pretrained_with_parallel"):
-            return model if is_distributed(model) else None
+            return model
         if hasattr(type(model), "get_base_model"):  # PEFT
             model = model.get_base_model()
         else:
             model = getattr(model, "_modules", {}).get("module")
     return None
+
+
+def split_model(model: nn.Module | None) -> nn.Module | None:
+    """The oslo model in ``model`` when its parameters span several processes; ``None`` otherwise."""
+    model = oslo_model(model)
+    return model if model is not None and is_distributed(model) else None
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -118,17 +127,38 @@ def _takes_own_path(trainer) -> bool:
     return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
+def _renamed(state: dict, names: dict[str, str]) -> dict:
+    """An optimizer state dict of torch's ``get_optimizer_state_dict`` (keyed by parameter name) under ``names``'
+    names: saved under the model's names, whatever module the Trainer holds (the model, or ``gpu_modules()``'
+    wrapper, whose parameters are named otherwise), so that a run at another layout loads it. The per-parameter
+    states are the same tensors (``dcp.load`` fills them in place). Nested (``{"state": {name: ...}, "param_groups":
+    [...]}``) or flattened (``"state.<name>.<key>"``, ``"param_groups.<name>.<key>"``), as torch gives it."""
+    if "state" in state:
+        return {
+            "state": {names.get(name, name): value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names.get(name, name) for name in group["params"]]}
+                             for group in state["param_groups"]],
+        }
+    renamed = {}
+    for key, value in state.items():
+        kind, _, rest = key.partition(".")
+        name, _, entry = rest.rpartition(".")
+        renamed[f"{kind}.{names.get(name, name)}.{entry}"] = value
+    return renamed
+
+
 def _save_optimizer_hook(save_optimizer):
     @functools.wraps(save_optimizer)
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        model = split_model(self.model)
+        model = oslo_model(self.model)  # in one process too: its state then loads at any layout
         if model is None or _takes_own_path(self):
             return save_optimizer(self, output_dir)
         from transformers.trainer import SCHEDULER_NAME
 
         context = model.parallel_context
-        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), **random_state(context)}
-        dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIRECTORY))
+        optimizer = _renamed(get_optimizer_state_dict(self.model, self.optimizer), model_parameter_names(self.model))
+        dcp.save({"optimizer": optimizer, **random_state(context)},
+                 checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIRECTORY))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -138,19 +168,21 @@ def _save_optimizer_hook(save_optimizer):
 def _load_optimizer_hook(load_optimizer):
     @functools.wraps(load_optimizer)
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        model = split_model(self.model)
+        model = oslo_model(self.model)
         directory = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_DIRECTORY)
         if model is None or _takes_own_path(self) or directory is None or not os.path.isdir(directory):
             return load_optimizer(self, checkpoint)
         from transformers.trainer import SCHEDULER_NAME
 
         context = model.parallel_context
+        names = model_parameter_names(self.model)
         state = {
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": _renamed(get_optimizer_state_dict(self.model, self.optimizer), names),
             "rng": random_streams_to_load(context, directory),
         }
         dcp.load(state, checkpoint_id=directory, planner=WeightsOnlyLoadPlanner())
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        ours = {model_name: name for name, model_name in names.items()}
+        set_optimizer_state_dict(self.model, self.optimizer, _renamed(state["optimizer"], ours))
         restore_random_streams(context, state["rng"])
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):

@@ -65,6 +65,7 @@ __all__ = [
     "is_distributed",
     "local",
     "local_named_parameters",
+    "model_parameter_names",
     "plain",
     "plain_leaves_module",
     "PipelineStageNormError",
@@ -524,6 +525,8 @@ def _fused(model: nn.Module) -> dict[str, ShardSpec]:
     Empty for other models."""
     if not _is_oslo_model(model):
         return {}
+    if isinstance(model, _PlainLeaves):  # gpu_modules(): the model's storages, named without dots
+        return {name.replace(".", "__"): spec for name, spec in _fused(model._modules["module"]).items()}
     specs = parameter_specs(model)
     for name, param in model.named_parameters():  # a PEFT model's adapters: their own DTensors say how they split
         if specs.get(name) is None and isinstance(param, DTensor):
@@ -872,6 +875,16 @@ def trains_plain_leaves(model: nn.Module) -> bool:
     every call without walking the parameters (a compiled call would trace that walk, each module's parameters
     one by one)."""
     return bool(model.__dict__.get("_oslo_plain_leaves", False))
+
+
+def model_parameter_names(module: nn.Module) -> dict[str, str]:
+    """``{name in module: the model's name}`` of ``module``'s parameters: :func:`plain_leaves_module`'s wrapper
+    registers the model's storages as its own parameters, under the model's names with ``__`` for each ``.``
+    (a parameter's name has no dot); every other module's names are the model's."""
+    names = [name for name, _ in module.named_parameters()]
+    if isinstance(module, _PlainLeaves):
+        return {name: name.replace("__", ".") for name in names}
+    return {name: name for name in names}
 
 
 def plain_leaves_module(model: nn.Module) -> nn.Module:

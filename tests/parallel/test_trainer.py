@@ -450,3 +450,55 @@ def test_trainer_predicts_each_row_once(checkpoint, tmp_path, tp, dp):
         assert (labels == expected[1]).all()
         torch.testing.assert_close(loss, expected[2])
         torch.testing.assert_close(eval_loss, expected[3])
+
+
+# Layouts a Trainer run saves at and resumes at: (processes, tensor_parallel_size); data parallel 2 through
+# gpu_modules(), one process without a launcher.
+RESUME_LAYOUTS = {"tp2": (2, 2), "dp2": (2, 1), "one process": (1, 1)}
+
+
+def _momentum_run(rank, world_size, path, output_dir, tp, resume):
+    """Two steps of SGD with momentum, a checkpoint after each; resumed from ``resume`` when given. Returns the
+    model's whole weights at the end."""
+    from accelerate import Accelerator
+
+    _fresh_accelerate_state()
+    if tp > 1:
+        _accelerate_takes_cpu(Accelerator)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    arguments = _arguments(output_dir, ROWS // (world_size // tp))
+    arguments.save_strategy, arguments.save_steps = "steps", 1
+    arguments.optim_args = "momentum=0.9"
+    arguments.__post_init__()
+    handed = model.gpu_modules() if world_size > tp else model
+    transformers.Trainer(model=handed, args=arguments, train_dataset=_Rows()).train(resume_from_checkpoint=resume)
+    return {name: value.clone() for name, value in full_params(model).items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_runs(checkpoint, tmp_path_factory):
+    """Each layout's two-step run: its checkpoints' directory and its final weights."""
+    runs = {}
+    for name, (world_size, tp) in RESUME_LAYOUTS.items():
+        output_dir = str(tmp_path_factory.mktemp(f"momentum-{name.replace(' ', '-')}"))
+        runs[name] = output_dir, run_distributed(_momentum_run, world_size, checkpoint, output_dir, tp, None,
+                                                 timeout=100)[0]
+    return runs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saved, resumed", [("tp2", "dp2"), ("dp2", "tp2"), ("tp2", "one process"),
+                                            ("one process", "tp2")])
+def test_trainer_resumes_at_another_layout(checkpoint, uninterrupted_runs, tmp_path, saved, resumed):
+    """A Trainer checkpoint of an oslo model resumes at any layout (the optimizer's state goes through
+    torch.distributed.checkpoint under the model's parameter names, in one process too): the run resumed from the
+    first checkpoint at another layout ends with the weights of the uninterrupted run. (Before, a checkpoint of
+    tensor parallel 2 failed at data parallel 2, its names being gpu_modules()' own, and in one process, which looked
+    for optimizer.pt.)"""
+    directory, expected = uninterrupted_runs[saved]
+    world_size, tp = RESUME_LAYOUTS[resumed]
+    for weights in run_distributed(_momentum_run, world_size, checkpoint, str(tmp_path), tp,
+                                   os.path.join(directory, "checkpoint-1"), timeout=100):
+        assert sorted(weights) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, msg=lambda m, n=name: f"resumed {n}: {m}")
