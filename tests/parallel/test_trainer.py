@@ -30,13 +30,14 @@ def checkpoint(tmp_path_factory):
 
 
 class _Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(11)
-        self.input_ids = torch.randint(3, 1001, (ROWS * STEPS, 10), generator=generator)
+    def __init__(self, count: int = ROWS * STEPS, seed: int = 11) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(3, 1001, (count, 10), generator=generator)
         # Unequal label counts per row: the replicas' batches hold different numbers of tokens.
         self.labels = self.input_ids.clone()
-        for row, cut in enumerate([0, 4, 2, 0, 6, 1, 3, 0] * STEPS):
-            self.labels[row, :cut] = -100
+        cuts = [0, 4, 2, 0, 6, 1, 3, 0]
+        for row in range(count):
+            self.labels[row, :cuts[row % len(cuts)]] = -100
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -394,20 +395,9 @@ def test_a_merged_adapter_saves_the_model(checkpoint, tmp_path):
         assert "model.safetensors" in files and "adapter_model.safetensors" not in files, files
 
 
-class _SevenRows(torch.utils.data.Dataset):
+def _SevenRows() -> _Rows:  # noqa: N802 - a dataset, named as one
     """Seven rows: the last evaluation batch of two replicas is cut (accelerate repeats rows to fill it)."""
-
-    def __init__(self) -> None:
-        self.input_ids = torch.randint(3, 1001, (7, 10), generator=torch.Generator().manual_seed(5))
-        self.labels = self.input_ids.clone()
-        for row, cut in enumerate([0, 4, 2, 0, 6, 1, 3]):
-            self.labels[row, :cut] = -100
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+    return _Rows(count=7, seed=5)
 
 
 def _evaluation_arguments(output_dir: str, per_device_rows: int) -> transformers.TrainingArguments:
