@@ -255,11 +255,12 @@ def _evaluation_loop_hook(loop):
         if model is None or model.parallel_context.tensor_parallel_size == 1 or _takes_own_path(self):
             return loop(self, *args, **kwargs)
         original = self.gather_function
-        self.gather_function = _one_copy_per_replica(self.accelerator, original, model.parallel_context)
+        gathering = _one_copy_per_replica(self.accelerator, original, model.parallel_context)
+        self.gather_function = gathering
         try:
             return loop(self, *args, **kwargs)
         finally:
-            if self.gather_function is not original and self.gather_function.__name__ != "gather_for_metrics":
+            if self.gather_function is gathering:  # the loop stopped before it set its gather back
                 self.gather_function = original
 
     return evaluation_loop

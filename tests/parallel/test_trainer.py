@@ -417,7 +417,18 @@ def _predict_run(rank, world_size, path, output_dir, tp):
     _fresh_accelerate_state()
     _accelerate_takes_cpu(Accelerator)
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
-    return _predicted(transformers.Trainer(model=model, args=_evaluation_arguments(output_dir, 2)))
+    trainer = transformers.Trainer(model=model, args=_evaluation_arguments(output_dir, 2))
+    predicted = _predicted(trainer)
+    restored = [trainer.gather_function == trainer.accelerator.gather_for_metrics]
+
+    def failing(logits, labels):  # called in the loop, between two gathers
+        raise ValueError("a metric that fails")
+
+    trainer.preprocess_logits_for_metrics = failing
+    with pytest.raises(ValueError, match="a metric that fails"):
+        trainer.predict(_SevenRows())
+    restored.append(trainer.gather_function == trainer.accelerator.gather_for_metrics)  # after a failed loop too
+    return (*predicted, restored)
 
 
 def _reference_predict_run(rank, world_size, path, output_dir, rows):
@@ -433,8 +444,9 @@ def test_trainer_predicts_each_row_once(checkpoint, tmp_path, tp, dp):
     row once (the ranks of a tensor-parallel group hold the same rows), in order, the same logits, labels and loss
     (of two replicas, the Trainer's own average: the last batch's repeated row counts in the loss)."""
     expected = run_distributed(_reference_predict_run, dp, checkpoint, str(tmp_path / "reference"), 2)[0]
-    for predictions, labels, loss, eval_loss in run_distributed(_predict_run, tp * dp, checkpoint,
-                                                                str(tmp_path / "oslo"), tp, timeout=100):
+    for predictions, labels, loss, eval_loss, restored in run_distributed(_predict_run, tp * dp, checkpoint,
+                                                                          str(tmp_path / "oslo"), tp, timeout=100):
+        assert restored == [True, True]  # the Trainer's own gather again once a loop ends, or fails
         assert predictions.shape == expected[0].shape == (7, 10, 1001)
         torch.testing.assert_close(torch.from_numpy(predictions), torch.from_numpy(expected[0]))
         assert (labels == expected[1]).all()
