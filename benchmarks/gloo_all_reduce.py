@@ -2,15 +2,17 @@
 gloo's ring all-reduce (``torch.distributed.all_reduce``), the reference.
 
 gloo's ring cuts every tensor into 2 x world segments and passes each around the ring, 4 (world - 1) messages a
-rank, so that its time hardly depends on the size below a MiB. Up to ``GLOO_ONE_ROUND_BYTES`` (256 KiB) oslo sends
-each rank's whole tensor to every other rank in one ``all_to_all_single`` and sums the copies on each rank
-(``oslo/parallel/collectives.py``). Both variants run in the same ranks, alternated round by round: the reference
-is ``eager_all_reduce`` with ``GLOO_ONE_ROUND_BYTES = 0`` (every tensor through the ring).
+rank, so that its time hardly depends on the size below a MiB. While the tensor's bytes times the world size stay
+within ``GLOO_ONE_ROUND_BYTES`` (1 MiB: 512 KiB at 2 ranks, 256 KiB at 4) oslo sends each rank's whole tensor to
+every other rank in one ``all_to_all_single`` and sums the copies on each rank (``oslo/parallel/collectives.py``).
+Both variants run in the same ranks, alternated round by round: the reference is ``eager_all_reduce`` with
+``GLOO_ONE_ROUND_BYTES = 0`` (every tensor through the ring).
 
 Two measurements, at world sizes 2 and 4:
 
 * one all-reduce of a float32 tensor (median microseconds over ``--calls`` calls, ``--rounds`` rounds), from 8
-  elements to 1 MiB (above the limit: both variants are the ring; an A/A check);
+  elements to 1 MiB (above the limit, at 512 KiB for 4 ranks and at 1 MiB for both, both variants are the ring: an
+  A/A check);
 * a model's decode: greedy ``generate()`` of ``--new-tokens`` tokens, batch 1, of a 4-layer Llama-shaped model
   (hidden 256, 8 query heads over 4 key/value heads) at tensor_parallel_size = world size: each step's
   all-reduces carry 1 x 1 x 256 values; and a training step (forward + backward, batch 4 x 64).
@@ -35,12 +37,15 @@ from _tp_harness import alternate, header, launch, llama_config, median  # noqa:
 import oslo  # noqa: E402
 from oslo.parallel import collectives  # noqa: E402
 
-SIZES = [8, 1024, 16384, 65536, 262144]  # float32 elements: 32 B, 4 KiB, 64 KiB, 256 KiB, 1 MiB
+SIZES = [8, 1024, 16384, 65536, 131072, 262144]  # float32 elements: 32 B, 4 KiB, 64 KiB, 256 KiB, 512 KiB, 1 MiB
 VARIANTS = ["ring", "one round"]
 
 
+ONE_ROUND_BYTES = collectives.GLOO_ONE_ROUND_BYTES
+
+
 def _limit(variant: str) -> None:
-    collectives.GLOO_ONE_ROUND_BYTES = 0 if variant == "ring" else 256 * 1024
+    collectives.GLOO_ONE_ROUND_BYTES = 0 if variant == "ring" else ONE_ROUND_BYTES
 
 
 def _calls(rank, world_size, calls, rounds):
@@ -106,7 +111,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
-    header("gloo all-reduce: one all-to-all round (oslo, up to 256 KiB) vs the ring (torch.distributed.all_reduce)")
+    header("gloo all-reduce: one all-to-all round (oslo, tensor x world <= 1 MiB) vs the ring "
+           "(torch.distributed.all_reduce)")
     for world in args.worlds:
         print(f"-- world size {world}: one all-reduce, median microseconds per call")
         print(f"   {'float32 elements':>16} {'ring':>9} {'one round':>10} {'ring / one round':>17}")

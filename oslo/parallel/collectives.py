@@ -26,14 +26,15 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 # gloo's ring all-reduce cuts a tensor into 2 x world segments and passes each one around the ring: 4 (world - 1)
 # messages a rank, each one a hand-off between gloo's threads, so that a tensor of a few bytes costs what one of a
-# MiB costs. Up to this size a CPU tensor on a gloo group goes in one round instead: every rank sends its whole
-# tensor to every other (one all-to-all, world - 1 messages each way) and reduces the world's copies itself, in
-# rank order (the same bits on every rank). benchmarks/gloo_all_reduce.py measures both ways.
-GLOO_ONE_ROUND_BYTES = 256 * 1024
+# MiB costs. A small CPU tensor on a gloo group goes in one round instead: every rank sends its whole tensor to every
+# other (one all-to-all, world - 1 messages each way) and reduces the world's copies itself, in rank order (the same
+# bits on every rank). As each rank then holds (and receives) world copies, the tensor's bytes times the world size
+# must not exceed this: 256 KiB at 4 ranks, 512 KiB at 2. benchmarks/gloo_all_reduce.py measures both ways.
+GLOO_ONE_ROUND_BYTES = 1024 * 1024
 
 
-def _one_round(tensor: torch.Tensor, group) -> bool:
-    return (tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= GLOO_ONE_ROUND_BYTES
+def _one_round(tensor: torch.Tensor, group, world: int) -> bool:
+    return (tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() * world <= GLOO_ONE_ROUND_BYTES
             and dist.get_backend(group) == dist.Backend.GLOO)
 
 
@@ -42,7 +43,7 @@ def eager_all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") ->
     for as :func:`oslo.parallel.failure.wait` waits (``what``: for its errors)."""
     tensor = tensor.contiguous()
     world = group_size(group)
-    if world > 1 and _one_round(tensor, group):
+    if world > 1 and _one_round(tensor, group, world):
         copies = tensor.new_empty((world, *tensor.shape))
         sent = tensor.expand(world, *tensor.shape).contiguous()
         failure.wait(dist.all_to_all_single(copies, sent, group=group, async_op=True), group, what)

@@ -1,6 +1,7 @@
 """oslo's eager all-reduce (what the tensor-parallel mappings run) on real gloo groups: a small CPU tensor goes in one
-all-to-all round, a large one through gloo's ring all-reduce; both give every rank the sum (or the maximum) of
-every rank's tensor, computed here from the ranks' inputs, and the same bits on every rank."""
+all-to-all round (its bytes times the world size within ``GLOO_ONE_ROUND_BYTES``), a larger one through gloo's ring
+all-reduce; both give every rank the sum (or the maximum) of every rank's tensor, computed here from the ranks'
+inputs, and the same bits on every rank."""
 
 from __future__ import annotations
 
@@ -42,14 +43,18 @@ def _reduce(rank, world_size, numel, dtype, op):
     return reduced, same is contiguous, contiguous, calls
 
 
+# float32 elements. The one round holds world copies of the tensor: MEDIUM goes in one round at 2 ranks, through the
+# ring at 4; LARGE through the ring at both (its non-contiguous cut too, 2 elements fewer).
 SMALL = 1000
-LARGE = GLOO_ONE_ROUND_BYTES // 4 + 4  # float32 elements: over the one-round size, the non-contiguous cut too
+MEDIUM = 100_000
+LARGE = GLOO_ONE_ROUND_BYTES // (4 * 2) + 4
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("numel, dtype, op", [
     (SMALL, torch.float32, "sum"), (SMALL, torch.float32, "max"), (SMALL, torch.bfloat16, "sum"),
-    (SMALL, torch.int64, "sum"), (LARGE, torch.float32, "sum"), (LARGE, torch.float32, "max"),
+    (SMALL, torch.int64, "sum"), (MEDIUM, torch.float32, "sum"), (LARGE, torch.float32, "sum"),
+    (LARGE, torch.float32, "max"),
 ])
 def test_eager_all_reduce_sums_every_rank_alike(world_size, numel, dtype, op):
     results = run_distributed(_reduce, world_size, numel, dtype, op, timeout=120)
@@ -58,7 +63,7 @@ def test_eager_all_reduce_sums_every_rank_alike(world_size, numel, dtype, op):
         expected = stacked.amax(0)
     else:  # what any order of summing gives, to the dtype's rounding
         expected = stacked.double().sum(0)
-    one_round = numel * stacked.element_size() <= GLOO_ONE_ROUND_BYTES
+    one_round = numel * stacked.element_size() * world_size <= GLOO_ONE_ROUND_BYTES
     for reduced, in_place, contiguous, calls in results:
         assert in_place  # a contiguous tensor is reduced in place, as dist.all_reduce does
         tol = {} if dtype != torch.bfloat16 else dict(atol=0.5, rtol=2 ** -7)  # bfloat16 rounds each partial sum
