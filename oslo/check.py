@@ -455,13 +455,12 @@ def _fmt(value: float | None) -> str:
 def _full_tensors(model, tensors: dict) -> dict:
     """Whole tensors from each tensor-parallel rank's parts (collective over the stage's tensor-parallel
     group, which every rank of it calls in the same order); ``None`` stays ``None``."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from oslo.checkpoint import whole_tensor
     from oslo.parallel.dtensor import unblock
     from oslo.parallel.plan import parameter_specs
 
-    context = model.parallel_context
     specs = parameter_specs(model)
     out = {}
     for name, local in tensors.items():
@@ -470,14 +469,8 @@ def _full_tensors(model, tensors: dict) -> dict:
             out[name] = None
         elif isinstance(local, DTensor):  # torch assembles it; a fused bias is seen as (chunks, size / chunks)
             out[name] = unblock(local.full_tensor(), spec)
-        elif spec is None:
-            out[name] = local
-        elif context.tensor_parallel_size == 1:
-            out[name] = spec.merge([local])
         else:
-            parts = [torch.empty_like(local) for _ in range(context.tensor_parallel_size)]
-            dist.all_gather(parts, local.contiguous(), group=context.tensor_parallel_group)
-            out[name] = spec.merge(parts)
+            out[name] = whole_tensor(local, spec, model.parallel_context)
     return out
 
 

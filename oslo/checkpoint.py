@@ -1149,6 +1149,18 @@ def save_merged(
     save.publish()
 
 
+def whole_tensor(local: torch.Tensor, spec: ShardSpec | None, context: ParallelContext) -> torch.Tensor:
+    """The whole tensor (transformers' shape, unpadded) of which ``local`` is this rank's part, on every rank of the
+    tensor-parallel group (collective over it when the tensor is split: every rank calls it in the same order)."""
+    if spec is None:
+        return local
+    if context.tensor_parallel_size == 1:
+        return spec.merge([local])
+    parts = [torch.empty_like(local) for _ in range(context.tensor_parallel_size)]
+    dist.all_gather(parts, local.contiguous(), group=context.tensor_parallel_group)
+    return spec.merge(parts)
+
+
 def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on every rank, as transformers' model of one process returns it: every
     parameter's name (tied ones included, several names for one tensor), whole tensors in transformers' shapes
@@ -1167,15 +1179,7 @@ def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if entry.tied_copy:
             continue
         if entry.stage == context.pipeline_parallel_rank:
-            tensor, spec = local[entry.name]
-            if spec is None:
-                full = tensor
-            elif context.tensor_parallel_size == 1:
-                full = spec.merge([tensor])
-            else:
-                parts = [torch.empty_like(tensor) for _ in range(context.tensor_parallel_size)]
-                dist.all_gather(parts, tensor.contiguous(), group=context.tensor_parallel_group)
-                full = spec.merge(parts)
+            full = whole_tensor(*local[entry.name], context)
         else:
             full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
         if context.pipeline_parallel_size > 1:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config
 
+from oslo.checkpoint import whole_tensor
 from oslo.parallel.dtensor import unblock
 from oslo.parallel.plan import parameter_specs
 
@@ -43,12 +44,7 @@ def full_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if isinstance(local, DTensor):  # torch assembles it; a fused bias is seen as (chunks, size / chunks)
             out[name] = unblock(local.full_tensor(), spec)
             continue
-        if spec is None or context.tensor_parallel_size == 1:
-            out[name] = local if spec is None else spec.merge([local])
-            continue
-        parts = [torch.empty_like(local) for _ in range(context.tensor_parallel_size)]
-        dist.all_gather(parts, local.contiguous(), group=context.tensor_parallel_group)
-        out[name] = spec.merge(parts)
+        out[name] = whole_tensor(local, spec, context)
     return out
 
 

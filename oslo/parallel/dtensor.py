@@ -525,8 +525,8 @@ def _fused(model: nn.Module) -> dict[str, ShardSpec]:
     Empty for other models."""
     if not _is_oslo_model(model):
         return {}
-    if isinstance(model, _PlainLeaves):  # gpu_modules(): the model's storages, named without dots
-        return {name.replace(".", "__"): spec for name, spec in _fused(model._modules["module"]).items()}
+    if isinstance(model, _PlainLeaves):  # gpu_modules(): the model's storages, under their own names
+        return {_leaf_name(name): spec for name, spec in _fused(model._modules["module"]).items()}
     specs = parameter_specs(model)
     for name, param in model.named_parameters():  # a PEFT model's adapters: their own DTensors say how they split
         if specs.get(name) is None and isinstance(param, DTensor):
@@ -807,7 +807,7 @@ class _PlainLeaves(nn.Module):
         names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
         self._ddp_params_and_buffers_to_ignore = [f"module.{name}" for name in names]
         for name, storage in local_named_parameters(model):
-            self.register_parameter(name.replace(".", "__"), storage)
+            self.register_parameter(_leaf_name(name), storage)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -877,14 +877,19 @@ def trains_plain_leaves(model: nn.Module) -> bool:
     return bool(model.__dict__.get("_oslo_plain_leaves", False))
 
 
+def _leaf_name(name: str) -> str:
+    """The name under which :class:`_PlainLeaves` registers the model's parameter ``name`` (a parameter's name has
+    no dot)."""
+    return name.replace(".", "__")
+
+
 def model_parameter_names(module: nn.Module) -> dict[str, str]:
     """``{name in module: the model's name}`` of ``module``'s parameters: :func:`plain_leaves_module`'s wrapper
-    registers the model's storages as its own parameters, under the model's names with ``__`` for each ``.``
-    (a parameter's name has no dot); every other module's names are the model's."""
-    names = [name for name, _ in module.named_parameters()]
+    registers the model's storages as its own parameters (:func:`_leaf_name`); every other module's names are the
+    model's."""
     if isinstance(module, _PlainLeaves):
-        return {name: name.replace("__", ".") for name in names}
-    return {name: name for name in names}
+        return {_leaf_name(name): name for name, _ in local_named_parameters(module._modules["module"])}
+    return {name: name for name, _ in module.named_parameters()}
 
 
 def plain_leaves_module(model: nn.Module) -> nn.Module:
