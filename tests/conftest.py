@@ -43,6 +43,9 @@ for _name in oslo.__all__:  # oslo imports its names lazily: resolve them now, o
     getattr(oslo, _name)
 
 transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
+from oslo.integrations import peft as _oslo_peft  # noqa: E402
+
+_oslo_peft.install()  # imports PEFT (a quarter of a second) here, once, instead of in every rank that builds a model
 
 
 import pytest  # noqa: E402
