@@ -1161,15 +1161,21 @@ def whole_tensor(local: torch.Tensor, spec: ShardSpec | None, context: ParallelC
     return spec.merge(parts)
 
 
-def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict on every rank, as transformers' model of one process returns it: every
     parameter's name (tied ones included, several names for one tensor), whole tensors in transformers' shapes
     (gathered over the tensor-parallel group, unpadded, and broadcast from the stage that holds them). Collective
-    over all ranks of the model, which call it in the same order; each rank ends up holding the whole model."""
+    over all ranks of the model, which call it in the same order; each rank ends up holding the whole model, or,
+    with ``split`` (a kind of :class:`~oslo.parallel.plan.ShardSpec`: ``"vocab"``), the tensors split that way."""
     context: ParallelContext = model.parallel_context
     saved = list(_saved_parameters(model))
+    duplicates = tied_keys(model)
+    aliases = {**duplicates, **cross_stage_tied_copies(model)}  # this stage's other names of a tensor
+    if split is not None:  # an alias is a parameter of this stage, under its first name or its own
+        kinds = {name: None if spec is None else spec.kind for name, _, spec in saved}
+        saved = [entry for entry in saved if kinds[entry[0]] == split]
+        aliases = {name: source for name, source in aliases.items() if kinds[duplicates.get(name, name)] == split}
     local = {name: (tensor, spec) for name, tensor, spec in saved}
-    aliases = {**tied_keys(model), **cross_stage_tied_copies(model)}  # this stage's other names of a tensor
     if context.pipeline_parallel_size > 1:
         stages: list[dict | None] = [None] * context.pipeline_parallel_size
         dist.all_gather_object(stages, aliases, group=context.pipeline_parallel_group)

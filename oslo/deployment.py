@@ -193,6 +193,9 @@ def _run(model, name: str, args: tuple, kwargs: dict) -> Any:
     if name in ("eval", "train", "fuse"):
         getattr(model, name)(*args, **kwargs)
         return model.training
+    if name == "resize_token_embeddings":  # the embeddings are the workers' module: the caller gets the new config
+        model.resize_token_embeddings(*args, **kwargs)
+        return model.config
     if name == "__getattr__":
         value = getattr(model, args[0])
         if callable(value):
@@ -213,7 +216,8 @@ class DeployedModel:
     """A model running in worker processes (made by ``from_pretrained_with_parallel(..., deployment=True)``).
 
     It behaves like the model: ``model(...)``/``forward``, ``generate``, ``fuse``, ``eval``/``train``,
-    ``config``, ``generation_config``, ``save_pretrained_with_parallel``, ``save_pretrained``, ``can_generate``; any
+    ``config``, ``generation_config``, ``save_pretrained_with_parallel``, ``save_pretrained``, ``can_generate``,
+    ``resize_token_embeddings``; any
     other method or attribute is looked up on the workers' model. Calls run without gradients and return global rank 0's
     result, tensors in ordinary CPU memory (KV caches stay in the workers: ``cache`` is ``None``).
     Calls from several threads run one after the other.
@@ -327,6 +331,12 @@ class DeployedModel:
         ``save_pretrained`` with ``is_main_process``), and a plain transformers checkpoint is written."""
         kwargs.setdefault("is_main_process", True)
         self._command("save_pretrained", os.path.abspath(save_directory), **kwargs)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> None:
+        """The model's ``resize_token_embeddings`` on every worker; ``config`` follows. Returns ``None``: the
+        embeddings are the workers' module, which cannot be handed to the caller."""
+        self.config = self._command("resize_token_embeddings", new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     @property
     def device(self) -> torch.device:

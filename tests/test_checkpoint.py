@@ -270,12 +270,6 @@ def test_checkpoint_of_another_architecture_is_named(tmp_path):
         oslo.GPT2LMHeadModel.from_pretrained_with_parallel(str(tmp_path))
 
 
-def test_resize_token_embeddings_after_loading_names_the_argument(lm_checkpoint):
-    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint)
-    with pytest.raises(NotImplementedError, match="Pass resize_token_embeddings=1100 to from_pretrained_with_parallel"):
-        model.resize_token_embeddings(1100)
-
-
 def _load_with_extra(rank, world_size, path):
     import logging
 

@@ -102,6 +102,23 @@ def test_gpt2_tp2_pp2_behaves_like_the_model(gpt2, gpt2_dir, tmp_path):
     torch.testing.assert_close(reloaded(ids).logits, expected.logits)
 
 
+def test_resize_token_embeddings_reaches_the_workers(gpt2_dir, tmp_path):
+    """Every worker resizes (their rank 0's draws: tests/models/test_resize.py checks those against transformers'),
+    the caller's config follows, and the merged checkpoint holds the old rows and the new size."""
+    directory, reference = gpt2_dir
+    with oslo.GPT2LMHeadModel.from_pretrained_with_parallel(directory, tensor_parallel_size=2,
+                                                            deployment=True) as model:
+        assert model.resize_token_embeddings(1005, pad_to_multiple_of=8) is None
+        assert model.config.vocab_size == 1008
+        ids = torch.tensor([[1007, 5, 1001]])
+        assert model(ids).logits.shape == (1, 3, 1008)
+        model.save_pretrained_with_parallel(tmp_path, save_with_merging=True)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert saved.config.vocab_size == 1008
+    torch.testing.assert_close(saved.transformer.wte.weight[:1001], reference.transformer.wte.weight,
+                               rtol=0, atol=0)
+
+
 def test_every_listener_is_on_loopback(gpt2):
     ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True)
     if ss.returncode != 0:

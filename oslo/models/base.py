@@ -25,7 +25,7 @@ from oslo import checkpoint as ckpt
 from oslo.integrations import peft as peft_integration
 from oslo.integrations import trainer as trainer_integration
 from oslo.kernels import FusedNoRepeatNGramLogitsProcessor
-from oslo.models import build, runner, stages
+from oslo.models import build, resize, runner, stages
 from oslo.models.body import StagedBody
 from oslo.parallel import sequence, ties, traced
 from oslo.parallel.agreement import (
@@ -558,19 +558,19 @@ class OsloPreTrainedModel(PreTrainedModel):
             self.parallel_context.rng.to(parameter.device)
         return applied
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        """Not available on a built oslo model: its vocabulary is split across ranks and padded. Build the
-        model at the new size instead (``resize_token_embeddings=N`` of :meth:`from_pretrained_with_parallel`
-        or :meth:`from_config_with_parallel`): the embedding and the tied head then have ``N`` rows, the new
-        ones initialized from the seed identically at every layout."""
-        size = args[0] if args else kwargs.get("new_num_tokens")
-        layout = ", split across its tensor-parallel ranks" if self.parallel_context.tensor_parallel_size > 1 else ""
-        raise NotImplementedError(
-            f"{type(self).__name__}.resize_token_embeddings() cannot resize a built oslo model: its vocabulary "
-            f"layers (oslo's, not nn.Embedding{layout}) are built at their final size. Pass "
-            f"resize_token_embeddings={size if size is not None else 'N'} to from_pretrained_with_parallel (or "
-            "from_config_with_parallel) to build the model at that size (e.g. len(tokenizer) after adding tokens)."
-        )
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Module | None:
+        """transformers' ``resize_token_embeddings`` (e.g. to ``len(tokenizer)`` after adding tokens): the input
+        embeddings, an untied LM head (and its bias) get ``new_num_tokens`` rows (rounded up to a multiple of
+        ``pad_to_multiple_of``), the new ones drawn as transformers draws them (``mean_resizing``: from the old rows'
+        mean and covariance), and ``config.vocab_size`` follows. Collective: every rank of the model calls it with the
+        same arguments; the vocabulary stays split and padded across the tensor-parallel ranks. Build the optimizer
+        (and add adapters) after resizing, as with transformers' models.
+
+        Returns:
+            The input embeddings (``None`` on a pipeline stage that does not hold them).
+        """
+        return resize.resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     # ---- activation checkpointing ------------------------------------------------------------
     def _set_gradient_checkpointing(

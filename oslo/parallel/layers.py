@@ -8,6 +8,7 @@ functions of ``mappings.py``, called visibly in ``forward``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -224,6 +225,17 @@ class ColumnParallelLinear(_SharedOnCopy, nn.Module):
                 out = out[..., : self.out_features]
         return out
 
+    def resize_vocabulary(self, out_features: int) -> None:
+        """A vocabulary's projection (``pad_vocab=True``): ``out_features`` outputs from now on (the caller gives the
+        parameters their new shards)."""
+        if self.weight_spec.kind != VOCAB:
+            raise ValueError(f"{type(self).__name__} splits {self.weight_spec.kind}s, not a vocabulary: it cannot be "
+                             "resized")
+        self.out_features = out_features
+        self.parallel_specs = {name: dataclasses.replace(spec, global_size=out_features)
+                               for name, spec in self.parallel_specs.items()}
+        self.weight_spec = self.parallel_specs["weight"]
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
@@ -327,19 +339,29 @@ class VocabParallelEmbedding(_SharedOnCopy, nn.Module):
     ) -> None:
         super().__init__()
         self.group, world, rank = _tensor_parallel(parallel_context)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight_spec = ShardSpec(VOCAB, 0, num_embeddings, world, rank)
-        self.parallel_specs = {"weight": self.weight_spec}
-        self.vocab_start, self.vocab_end = self.weight_spec.vocab_range()
+        self.embedding_dim = embedding_dim
         self.single_rank = world == 1
         self.padding_idx = padding_idx
-        self.local_padding_idx = (
-            padding_idx - self.vocab_start
-            if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-            else None
-        )
+        self._split_vocabulary(ShardSpec(VOCAB, 0, num_embeddings, world, rank))
         local_rows = self.weight_spec.local_size
         self.weight = nn.Parameter(torch.empty(local_rows, embedding_dim, device=device, dtype=dtype))
+
+    def _split_vocabulary(self, spec: ShardSpec) -> None:
+        self.num_embeddings, self.weight_spec = spec.global_size, spec
+        self.parallel_specs = {"weight": spec}
+        self.vocab_start, self.vocab_end = spec.vocab_range()
+        self.local_padding_idx = (
+            self.padding_idx - self.vocab_start
+            if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
+            else None
+        )
+
+    def resize_vocabulary(self, num_embeddings: int) -> None:
+        """Hold ``num_embeddings`` rows from now on (the caller gives the weight its new shard). A padding index past
+        them is dropped, as transformers' ``resize_token_embeddings`` drops it."""
+        if self.padding_idx is not None and self.padding_idx >= num_embeddings:
+            self.padding_idx = None
+        self._split_vocabulary(dataclasses.replace(self.weight_spec, global_size=num_embeddings))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.single_rank:
@@ -441,3 +463,18 @@ class VocabParallelLMHead(ColumnParallelLinear):
         start, stop = self.weight_spec.vocab_range()
         return causal_lm_loss(local_logits, labels, vocab_start=start, valid_columns=stop - start,
                               group=self.group, **kwargs)
+
+
+def resize_vocabulary(model: nn.Module, size: int) -> None:
+    """Every vocabulary split that ``model``'s modules declare holds ``size`` rows from now on: oslo's vocabulary
+    layers (:meth:`VocabParallelEmbedding.resize_vocabulary`, :meth:`ColumnParallelLinear.resize_vocabulary`) and the
+    modules that declare a vocabulary split of a tied parameter of theirs (BERT's ``cls.predictions.bias``). The
+    parameters are the caller's to give their new shards."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            if module.weight_spec.kind == VOCAB:
+                module.resize_vocabulary(size)
+        elif any(spec is not None and spec.kind == VOCAB for spec in getattr(module, "parallel_specs", {}).values()):
+            module.parallel_specs = {name: dataclasses.replace(spec, global_size=size)
+                                     if spec is not None and spec.kind == VOCAB else spec
+                                     for name, spec in module.parallel_specs.items()}

@@ -27,14 +27,3 @@ def test_what_a_loaded_model_reports(zoo_checkpoints, case):
     else:
         names = {module: name for name, module in model.named_modules()}
         assert names[ours] == next(name for name, module in reference.named_modules() if module is theirs)
-
-
-def test_resizing_a_built_model_names_the_build_option():
-    """``resize_token_embeddings()`` on a built model is refused naming the option that builds the model at the new
-    size; in one process its message does not speak of ranks."""
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=1001, n_positions=32)
-    model = oslo.GPT2LMHeadModel.from_config_with_parallel(config)
-    with pytest.raises(NotImplementedError, match=r"resize_token_embeddings=1010 to from_pretrained_with_parallel") \
-            as refused:
-        model.resize_token_embeddings(1010)
-    assert "rank" not in str(refused.value)

@@ -182,13 +182,18 @@ def compare_grads(model, reference, name: str) -> list[str]:
     return sorted(ours)
 
 
-def check_parity(case: Case, path: str, tp: int, pp: int, **options) -> list[str]:
+def check_parity(case: Case, path: str | None, tp: int, pp: int, *, models: tuple | None = None,
+                 batch: dict | None = None, **options) -> list[str]:
     """Outputs, losses and gradients of ``case`` at (tp, pp) against transformers (``options``: more build options
-    of ``from_pretrained_with_parallel``)."""
-    reference = getattr(transformers, case.name).from_pretrained(path)
-    model = getattr(oslo, case.name).from_pretrained_with_parallel(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE, **options)
-    batch = case.batch()
+    of ``from_pretrained_with_parallel``). ``models``: ``(reference, model)`` already built (by micro-batches of
+    ``MICRO_BATCH_SIZE``) instead of loading both from ``path``; ``batch``: another batch than the case's."""
+    if models is None:
+        reference = getattr(transformers, case.name).from_pretrained(path)
+        model = getattr(oslo, case.name).from_pretrained_with_parallel(
+            path, tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batch_size=MICRO_BATCH_SIZE, **options)
+    else:
+        reference, model = models
+    batch = case.batch() if batch is None else batch
     expected = reference(**batch, output_hidden_states=True)
     if pp == 1:
         actual = model(**batch, output_hidden_states=True)
