@@ -39,6 +39,12 @@ _EXPORTS: dict[str, list[str]] = {
         "T5ForConditionalGeneration", "T5ForQuestionAnswering", "T5ForSequenceClassification",
         "T5ForTokenClassification", "T5LayerFF", "T5LayerNorm", "T5Model", "T5PreTrainedModel", "T5Stack",
     ],
+    "oslo.models.auto": [
+        "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
+        "AutoModelForNextSentencePrediction", "AutoModelForPreTraining", "AutoModelForQuestionAnswering",
+        "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTextEncoding",
+        "AutoModelForTokenClassification",
+    ],
     "oslo.parallel": ["ParallelContext", "clip_grad_norm_"],
     "oslo.training_state": ["save_training_state", "load_training_state"],
     "oslo.conversion": ["convert_state_dict"],
