@@ -110,6 +110,9 @@ def test_hub_names_load_like_transformers(sources, cache):
         reference = transformers.GPT2LMHeadModel.from_pretrained(name, cache_dir=cache).eval()
         torch.testing.assert_close(_logits(model), _logits(reference))
         torch.testing.assert_close(_logits(model), sources[0][1])
+    auto = oslo.AutoModelForCausalLM.from_pretrained_with_parallel("org/name", cache_dir=cache)  # its config.json too
+    assert type(auto) is oslo.GPT2LMHeadModel
+    torch.testing.assert_close(_logits(auto), sources[0][1])
 
 
 def test_revision_picks_the_snapshot(sources, tmp_path):
