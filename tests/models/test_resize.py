@@ -79,6 +79,11 @@ def _resize_and_compare(rank, world_size, tp, pp, paths, scratch):
         model.resize_token_embeddings(grown + 4)
         batch = _with_new_ids(case.batch(), grown, grown + 4)
         zoo.check_parity(case, None, tp, pp, models=(reference, model), batch=batch)
+        if case.generate:  # the resized model itself, prompts holding the new ids
+            prompt = {name: batch[name][:2, :5] for name in ("input_ids", "attention_mask") if name in batch}
+            options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, **case.generate_kwargs)
+            expected = reference.generate(**prompt, **options)
+            assert torch.equal(model.generate(**prompt, **options), expected), f"{case.key}: generate"
         merged = os.path.join(scratch, f"{case.key}-{tp}-{pp}")
         model.save_pretrained_with_parallel(merged, save_with_merging=True)
         if rank == 0:
