@@ -42,6 +42,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from oslo.parallel.collectives import eager_all_gather
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local_named_parameters
@@ -1096,6 +1097,7 @@ def save_merged(
     names = merged_file_names(len(shards), safe_serialization)
     first_tp = context.tensor_parallel_global_rank(0)
     writer = context.pipeline_parallel_global_rank(0) if context.tensor_parallel_rank == 0 else None
+    device = next((p.device for p in model.parameters()), context.device)
     save = StagedSave(context, directory)
     save_id = uuid.uuid4().hex  # rank 0's is the one written
 
@@ -1116,8 +1118,8 @@ def save_merged(
                         full = spec.merge(parts) if parts is not None else None
                     if entry.stage != 0 and context.tensor_parallel_rank == 0:
                         dist.send(full.contiguous(), writer, group=context.pipeline_parallel_group)
-                elif context.rank == 0:
-                    full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
+                elif context.rank == 0:  # where rank 0's parameters are
+                    full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=device)
                     dist.recv(full, context.pipeline_parallel_global_rank(entry.stage),
                               group=context.pipeline_parallel_group)
                 if context.rank == 0:
@@ -1156,9 +1158,8 @@ def whole_tensor(local: torch.Tensor, spec: ShardSpec | None, context: ParallelC
         return local
     if context.tensor_parallel_size == 1:
         return spec.merge([local])
-    parts = [torch.empty_like(local) for _ in range(context.tensor_parallel_size)]
-    dist.all_gather(parts, local.contiguous(), group=context.tensor_parallel_group)
-    return spec.merge(parts)
+    group = context.tensor_parallel_group
+    return spec.merge(list(eager_all_gather(local.unsqueeze(0), group, 0, "gathering a split tensor whole").unbind(0)))
 
 
 def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, torch.Tensor]:
@@ -1176,6 +1177,7 @@ def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, to
         saved = [entry for entry in saved if kinds[entry[0]] == split]
         aliases = {name: source for name, source in aliases.items() if kinds[duplicates.get(name, name)] == split}
     local = {name: (tensor, spec) for name, tensor, spec in saved}
+    device = next((p.device for p in model.parameters()), context.device)
     if context.pipeline_parallel_size > 1:
         stages: list[dict | None] = [None] * context.pipeline_parallel_size
         dist.all_gather_object(stages, aliases, group=context.pipeline_parallel_group)
@@ -1186,8 +1188,8 @@ def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, to
             continue
         if entry.stage == context.pipeline_parallel_rank:
             full = whole_tensor(*local[entry.name], context)
-        else:
-            full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=context.device)
+        else:  # where this stage's parameters are
+            full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=device)
         if context.pipeline_parallel_size > 1:
             full = full.contiguous()
             dist.broadcast(full, context.pipeline_parallel_global_rank(entry.stage),

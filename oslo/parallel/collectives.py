@@ -52,12 +52,17 @@ def eager_all_reduce(tensor: torch.Tensor, group, what: str, op: str = "sum") ->
     return tensor
 
 
+def through_cpu(tensor: torch.Tensor, group) -> bool:
+    """Whether ``tensor`` must travel through the CPU to be gathered or scattered over ``group``: gloo gathers CPU
+    tensors only (it sums and broadcasts CUDA ones), and on one GPU two ranks can only share the device over gloo."""
+    return tensor.device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+
+
 def eager_all_gather(tensor: torch.Tensor, group, dim: int, what: str) -> torch.Tensor:
     """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` (a new tensor), waited for as
     :func:`eager_all_reduce` is."""
-    # gloo gathers CPU tensors only (it sums CUDA ones): CUDA tensors on a gloo group travel through the CPU.
     device = tensor.device
-    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    staged = through_cpu(tensor, group)
     tensor = (tensor.cpu() if staged else tensor).contiguous()
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
     failure.wait(dist.all_gather(parts, tensor, group=group, async_op=True), group, what)
@@ -69,7 +74,7 @@ def eager_reduce_scatter(tensor: torch.Tensor, group, dim: int, what: str) -> to
     """This rank's equal chunk along ``dim`` of the sum of ``tensor`` over ``group`` (a new tensor), waited for as
     :func:`eager_all_reduce` is."""
     device = tensor.device
-    staged = device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO
+    staged = through_cpu(tensor, group)
     rows = (tensor.cpu() if staged else tensor).movedim(dim, 0).contiguous()
     out = rows.new_empty((rows.shape[0] // group_size(group), *rows.shape[1:]))
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (its older name)

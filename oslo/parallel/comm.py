@@ -8,7 +8,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from oslo.parallel.collectives import group_size
+from oslo.parallel.collectives import group_size, through_cpu
 from oslo.parallel.context import ParallelContext
 
 # Defined in oslo.parallel.errors (under the context, which names its timeouts with them); USAGE.md names them here.
@@ -57,8 +57,9 @@ def gather_to_first(tensor: torch.Tensor, group, first_global_rank: int) -> list
     """Gather ``tensor`` from every rank of ``group`` onto its first rank (the others get ``None``)."""
     if group_size(group) == 1:
         return [tensor]
-    tensor = tensor.contiguous()
+    device, staged = tensor.device, through_cpu(tensor, group)
+    tensor = (tensor.cpu() if staged else tensor).contiguous()
     is_first = dist.get_rank() == first_global_rank
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))] if is_first else None
     dist.gather(tensor, parts, dst=first_global_rank, group=group)
-    return parts
+    return [part.to(device) for part in parts] if staged and parts is not None else parts

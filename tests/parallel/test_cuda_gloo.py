@@ -9,6 +9,8 @@ its ranks are spawned (a parent that has used CUDA cannot fork CUDA users).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -39,14 +41,20 @@ def _train_and_generate(rank, world_size, path, device):
     torch.testing.assert_close(actual.loss, expected.loss)
     expected.loss.backward()
     actual.loss.backward()
-    model.cpu()  # the gradients move along; gathered over gloo on the CPU for the comparison
-    theirs = {n: p.grad.cpu() for n, p in reference.named_parameters()}
-    for name, grad in full_grads(model).items():
+    theirs = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in full_grads(model).items():  # gathered whole on the device (through the CPU: gloo)
         torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
-    model.to(device)
     prompt = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=8, do_sample=False, pad_token_id=0)
     tokens = model.generate(**prompt)
     assert torch.equal(tokens, reference.generate(**prompt)), tokens.tolist()
+    # Whole tensors travel through the CPU too: a merged save, and a resize (drawn on the device, as transformers')
+    model.save_pretrained_with_parallel(os.path.join(path, "merged"), save_with_merging=True)
+    torch.manual_seed(3)
+    reference.resize_token_embeddings(1010, mean_resizing=False)
+    torch.manual_seed(3)
+    model.resize_token_embeddings(1010, mean_resizing=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids + 5).logits, reference(input_ids=ids + 5).logits)
     return True
 
 
@@ -58,3 +66,6 @@ def test_tensor_parallel_on_moved_model_over_gloo(tmp_path, device):
     start_method = "spawn" if device == "cuda" else "fork"
     assert run_distributed(_train_and_generate, 2, str(tmp_path), device, timeout=300,
                            start_method=start_method) == [True, True]
+    merged = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged")
+    for name, value in transformers.GPT2LMHeadModel.from_pretrained(tmp_path).state_dict().items():
+        assert torch.equal(merged.state_dict()[name], value), name
