@@ -41,9 +41,13 @@ def _train_and_generate(rank, world_size, path, device):
     torch.testing.assert_close(actual.loss, expected.loss)
     expected.loss.backward()
     actual.loss.backward()
-    theirs = {n: p.grad for n, p in reference.named_parameters()}
-    for name, grad in full_grads(model).items():  # gathered whole on the device (through the CPU: gloo)
+    # The tests' gathering assembles DTensor gradients with torch's own collectives, which gloo runs on the CPU only:
+    # the gradients move along with the model, and are compared there.
+    model.cpu()
+    theirs = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+    for name, grad in full_grads(model).items():
         torch.testing.assert_close(grad, theirs[name], msg=lambda m, n=name: f"gradient of {n}: {m}")
+    model.to(device)
     prompt = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=8, do_sample=False, pad_token_id=0)
     tokens = model.generate(**prompt)
     assert torch.equal(tokens, reference.generate(**prompt)), tokens.tolist()
