@@ -42,7 +42,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from oslo.parallel.collectives import eager_all_gather
+from oslo.parallel.collectives import through_cpu
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.dtensor import local_named_parameters
@@ -1159,7 +1159,12 @@ def whole_tensor(local: torch.Tensor, spec: ShardSpec | None, context: ParallelC
     if context.tensor_parallel_size == 1:
         return spec.merge([local])
     group = context.tensor_parallel_group
-    return spec.merge(list(eager_all_gather(local.unsqueeze(0), group, 0, "gathering a split tensor whole").unbind(0)))
+    staged = through_cpu(local, group)
+    source = (local.cpu() if staged else local).contiguous()
+    parts = [torch.empty_like(source) for _ in range(context.tensor_parallel_size)]
+    dist.all_gather(parts, source, group=group)
+    whole = spec.merge(parts)
+    return whole.to(local.device) if staged else whole
 
 
 def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, torch.Tensor]:

@@ -59,7 +59,8 @@ class _TransformersResizing:
 
 
 def _new_size(model: nn.Module, new_num_tokens, pad_to_multiple_of, mean_resizing) -> int:
-    """The vocabulary size after the resize (``pad_to_multiple_of`` applied); raises on a bad argument."""
+    """The vocabulary size after the resize (``pad_to_multiple_of`` applied); raises on a bad argument, or when an
+    adapter holds a vocabulary layer."""
     if new_num_tokens is not None:
         if isinstance(new_num_tokens, bool) or not isinstance(new_num_tokens, int):
             raise TypeError(f"new_num_tokens must be an integer (the new vocabulary size, e.g. len(tokenizer)) or "
