@@ -657,6 +657,9 @@ class _BertPredictions(VocabularyHead):
     def _vocab_module(self) -> nn.Module:
         return self.cls.predictions.decoder
 
+    def _logits_module(self) -> nn.Module:
+        return self.cls.predictions
+
     def get_output_embeddings(self) -> nn.Module | None:
         """``cls.predictions.decoder``, as transformers' BERT heads return (what PEFT's ``"all-linear"`` leaves
         out); ``None`` on a pipeline stage that does not hold the head."""

@@ -95,8 +95,10 @@ def keep_last(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -
 def logits_are_private(model: nn.Module, returned: bool) -> bool:
     """Whether the loss may overwrite the local logits (``overwrite_logits`` of
     :func:`~oslo.parallel.loss.vocab_parallel_cross_entropy`): they are not ``returned`` (gathered for the
-    output) and no forward hook of the user's could have kept them."""
-    return not returned and not has_user_forward_hooks(model)
+    output) and no forward hook of the user's could have kept them. Only the module the logits come from
+    (``model._logits_module()``, its children included) returns them: a hook elsewhere (on a block, say) never
+    sees them, and leaves the loss its memory-saving path."""
+    return not returned and not has_user_forward_hooks(model._logits_module())
 
 
 def gather_logits_by_default(model: nn.Module, gather_logits: bool | None, labels) -> bool:
@@ -175,8 +177,13 @@ class VocabularyHead:
         return self._vocab_module()(self._lm_features(hidden_states))
 
     def _vocab_module(self) -> nn.Module:
-        """The module the logits come from, as the model holds it (an adapter may wrap the projection)."""
+        """The vocabulary projection, as the model holds it (an adapter may wrap it)."""
         return self.lm_head
+
+    def _logits_module(self) -> nn.Module:
+        """The module whose call in :meth:`_lm_logits` returns the local logits: the only module whose forward
+        hooks see them."""
+        return self._vocab_module()
 
     def _vocab_projection(self) -> VocabParallelLMHead:
         """The vocabulary-split projection itself, unwrapped (its vocabulary range, group, losses and ``gather``)."""

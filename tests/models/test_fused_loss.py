@@ -93,6 +93,32 @@ def test_loss_from_hidden_states(tmp_path, tp):
     assert results[0] == [case.key for case in lm_cases()]
 
 
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "BertForMaskedLM"])
+def test_hooks_that_cannot_see_the_logits_keep_the_loss_from_the_hidden_states(name):
+    """A forward hook on every module but the one the logits come from (``model._logits_module()`` and its
+    children: BERT's ``cls.predictions``, the others' ``lm_head``) cannot see the logits: the loss still comes a
+    chunk at a time. One hook on the vocabulary projection could keep them: the whole logits are built."""
+    case = next(case for case in lm_cases() if case.key == name)
+    model = getattr(oslo, name).from_config_with_parallel(case.config(), seed=0).train()
+    model.loss_chunk_size = CHUNK
+    batch = case.batch()
+    tokens = batch["labels"].numel()
+    widths = {model._vocab_projection().weight_spec.local_size, model.config.vocab_size}
+    logits_side = set(model._logits_module().modules())
+    handles = [module.register_forward_hook(lambda *args: None)
+               for module in model.modules() if module not in logits_side]
+    assert len(handles) > 10
+    with LogitsRows(widths) as seen:
+        case.loss(model(**batch)).backward()
+    assert 0 < seen.rows <= CHUNK, f"{name}: {seen.rows} rows of logits with hooks away from them"
+    handles.append(model._vocab_module().register_forward_hook(lambda *args: None))
+    with LogitsRows(widths) as seen:
+        case.loss(model(**batch)).backward()
+    assert seen.rows >= tokens, f"{name}: a hook on the projection, yet only {seen.rows} rows of logits"
+    for handle in handles:
+        handle.remove()
+
+
 def _vocab_rows_per_graph(model, batch, vocab: int) -> list[int]:
     """Compile ``model``'s training call (forward and backward graphs run eagerly, ``fullgraph=True``) and return,
     per graph, the most rows of any tensor in it whose last dimension is ``vocab``."""
