@@ -444,7 +444,8 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         return self._shift_right(labels)
 
     def _new_cache(self):
-        return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        """A cache of the decoder's layers (``num_decoder_layers``, as transformers' decoder stack counts them)."""
+        return EncoderDecoderCache(DynamicCache(config=self._cache_config), DynamicCache(config=self._cache_config))
 
 
 def _stack_configs(config: T5Config) -> tuple[T5Config, T5Config]:
@@ -469,6 +470,10 @@ class _T5Stacks(StagedBody):
         context = self.parallel_context
         self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model, parallel_context=context)
         encoder_config, decoder_config = _stack_configs(config)
+        # What a new cache is built from: the decoder's config as a plain decoder's, whose get_text_config()
+        # (each DynamicCache reads it) is the config itself: an encoder-decoder's is a deep copy made on every call.
+        self._cache_config = copy.deepcopy(decoder_config)
+        self._cache_config.is_encoder_decoder = False
         self.encoder = T5Stack(encoder_config, context, self.shared)
         self.encoder._owner = weakref.ref(self)
         # The decoder's embed_tokens is shared too; a stage where the decoder starts without the encoder's first
@@ -859,6 +864,18 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, _T5Stacks, T5PreTrainedModel, Ge
         self._build_stacks(config)
         self._build_lm_head(config)
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """As transformers' (``generate()``), then a cache of the decoder's layers in place of the dynamic one it
+        builds from the whole model's config, which holds ``num_layers`` (the encoder's): with more decoder
+        layers than encoder layers, transformers' T5 fails there (an ``IndexError`` in the cache's update)."""
+        given = model_kwargs.get(CACHE_FIELD) is not None
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get(CACHE_FIELD)
+        if not given and type(cache) is EncoderDecoderCache and type(cache.self_attention_cache) is DynamicCache \
+                and type(cache.cross_attention_cache) is DynamicCache:
+            model_kwargs[CACHE_FIELD] = self._new_cache()
+        return result
 
     def _lm_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if getattr(self.config, "scale_decoder_outputs", self.config.tie_word_embeddings):

@@ -351,3 +351,34 @@ def test_generate_ignores_labels_as_transformers_does(path):
     with torch.no_grad():
         torch.testing.assert_close(model.generate(**batch, max_new_tokens=4),
                                    reference.generate(**batch, max_new_tokens=4))
+
+
+def _more_decoder_layers(rank, world_size, path, tp, pp):
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path).eval()
+    model = oslo.T5ForConditionalGeneration.from_pretrained_with_parallel(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp).eval()
+    batch = seq2seq_batch()
+    with torch.no_grad():
+        ours = model(**batch, use_cache=True)
+        theirs = reference(**batch, use_cache=True)
+    torch.testing.assert_close(ours.logits, theirs.logits)
+    if pp == 1:
+        assert len(ours.past_key_values.self_attention_cache.layers) == 4
+    options = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=5,
+                   do_sample=False)
+    # transformers' own generate() builds its cache from num_layers (the encoder's 1) and fails on the decoder's
+    # second layer: the tokens it would give are its uncached ones.
+    for beams in (1, 2):
+        torch.testing.assert_close(model.generate(**options, num_beams=beams),
+                                   reference.generate(**options, num_beams=beams, use_cache=False))
+    return "ok"
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_more_decoder_layers_than_encoder_layers(tmp_path, tp, pp):
+    """``num_decoder_layers`` above ``num_layers`` (as in the t5-efficient ``dl`` checkpoints): a call with
+    ``use_cache=True`` caches each of the decoder's layers, as transformers' decoder stack does, and generate()
+    gives transformers' tokens, greedy and beam."""
+    save_reference(transformers.T5ForConditionalGeneration, tiny_t5_config(num_layers=1, num_decoder_layers=4),
+                   tmp_path)
+    assert run_distributed(_more_decoder_layers, tp * pp, str(tmp_path), tp, pp, timeout=120) == ["ok"] * (tp * pp)
