@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -47,6 +50,44 @@ LOST_EXIT = 17
 """The exit code of a rank that ends its own process on purpose (``lost=`` of :func:`run`)."""
 CLOSE_GRACE_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
+
+
+class _FaultLogs:
+    """One file per rank where Python's ``faulthandler`` writes every thread's stack when the rank dies of a fatal
+    signal (SIGABRT from a C++ abort, SIGSEGV...): such a rank sends no traceback, and the launcher names where it
+    was from this file."""
+
+    LIMIT = 8000  # characters of a dump kept in an error message (its end: the innermost frames come first)
+
+    def __init__(self, world_size: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix="oslo-ranks-")
+        self.paths = [os.path.join(self.directory, f"rank{rank}.txt") for rank in range(world_size)]
+
+    def read(self, rank: int) -> str:
+        """The rank's dump, as a paragraph to append to an error (``""``: none)."""
+        try:
+            with open(self.paths[rank], errors="replace") as file:
+                text = file.read().strip()
+        except OSError:
+            return ""
+        if not text:
+            return ""
+        if len(text) > self.LIMIT:
+            text = text[:self.LIMIT] + "\n[...]"
+        return f"\nIts Python threads when it died (faulthandler):\n{text}"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_fault_file = None  # in a rank: the open file faulthandler writes to (kept open for the process's life)
+
+
+def _log_faults(path: str) -> None:
+    global _fault_file
+    with contextlib.suppress(OSError):
+        _fault_file = open(path, "w")
+        faulthandler.enable(_fault_file, all_threads=True)
 
 
 def free_port() -> int:
@@ -130,9 +171,10 @@ def _host_store(listener: socket.socket, port: int, world_size: int):
 
 def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, port: int | None,
                listener: socket.socket | None, environment: dict[str, str], threads: int | None,
-               lifeline: tuple | None, conn: Connection, args: tuple) -> None:
+               lifeline: tuple | None, fault_path: str, conn: Connection, args: tuple) -> None:
     """A rank's process: the launcher's environment, then ``target(rank, world_size, conn, *args)``, then
     ``os._exit`` with its return value (interpreter teardown could wait on gloo forever)."""
+    _log_faults(fault_path)
     if lifeline is not None:
         reader, writer, set_pdeathsig = lifeline
         if writer is not None:
@@ -172,9 +214,9 @@ def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, po
 
 def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, start_method: str,
            threads: int | None, launcher_variables: bool, loopback: bool, die_with_parent: bool, name: str,
-           duplex: bool, daemon: bool) -> tuple[list, list[Connection], Connection | None]:
+           duplex: bool, daemon: bool) -> tuple[list, list[Connection], Connection | None, _FaultLogs]:
     """Start ``world_size`` processes running ``target(rank, world_size, conn, *args)``; returns (processes,
-    this side's connections, the lifeline's end this process keeps or ``None``)."""
+    this side's connections, the lifeline's end this process keeps or ``None``, the ranks' fault logs)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     ctx = mp.get_context(start_method)
@@ -197,6 +239,7 @@ def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, s
     sys.stdout.flush()  # a forked rank would print this process's buffered output again
     sys.stderr.flush()
     processes, connections = [], []
+    faults = _FaultLogs(world_size)
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=duplex)  # not duplex: (reader, writer), the rank writes
@@ -205,20 +248,20 @@ def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, s
             process = ctx.Process(
                 target=_bootstrap, name=f"{name}-{rank}", daemon=daemon,
                 args=(target, rank, world_size, port, listener if rank == 0 else None, environment, threads,
-                      rank_lifeline, child_conn, args))
+                      rank_lifeline, faults.paths[rank], child_conn, args))
             process.start()
             child_conn.close()
             processes.append(process)
             connections.append(parent_conn)
     except BaseException:
-        _shutdown(processes, connections, lifeline)
+        _shutdown(processes, connections, lifeline, faults)
         raise
     finally:
         if lifeline_reader is not None:
             lifeline_reader.close()
         if listener is not None:
             listener.close()
-    return processes, connections, lifeline
+    return processes, connections, lifeline, faults
 
 
 def _kill(processes: list) -> None:
@@ -229,7 +272,7 @@ def _kill(processes: list) -> None:
         process.join(timeout=CLOSE_GRACE_SECONDS)
 
 
-def _shutdown(processes: list, connections: list, lifeline: Connection | None) -> None:
+def _shutdown(processes: list, connections: list, lifeline: Connection | None, faults: _FaultLogs) -> None:
     """Ask the ranks to stop (``None`` on their pipe), end those that do not; close every pipe."""
     for conn in connections:
         with contextlib.suppress(Exception):
@@ -241,6 +284,7 @@ def _shutdown(processes: list, connections: list, lifeline: Connection | None) -
     for conn in [*connections, lifeline]:
         with contextlib.suppress(Exception):
             conn.close()
+    faults.remove()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +370,7 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
         TimeoutError: Ranks did not finish within ``timeout``; names them.
     """
     kwargs = {} if kwargs is None else kwargs
-    processes, connections, _ = _start(
+    processes, connections, _, faults = _start(
         _run_once, world_size, (fn, tuple(args), kwargs), start_method=start_method, threads=threads,
         # The rendezvous port is bound here and handed to rank 0's store (loopback): a launch running beside this
         # one (another test, another check) cannot take it between choosing it and listening on it.
@@ -354,7 +398,9 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
                     if rank in lost and processes[rank].exitcode == LOST_EXIT:
                         results[rank] = None
                         continue
-                    status, payload = "error", f"exited without a result (exit code {processes[rank].exitcode})"
+                    exitcode = processes[rank].exitcode
+                    how = describe_exit(exitcode) if exitcode is None or exitcode < 0 else f"exit code {exitcode}"
+                    status, payload = "error", f"exited without a result ({how}){faults.read(rank)}"
                 if status == "message":
                     if on_message is not None:
                         on_message(rank, payload)
@@ -377,6 +423,7 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict 
         _kill(processes)
         for conn in connections:
             conn.close()
+        faults.remove()
     return [results[rank] for rank in range(world_size)]
 
 
@@ -449,11 +496,12 @@ class RankGroup:
         self.world_size = world_size
         self.timeout, self.error_grace, self.label, self.start_hint = timeout, error_grace, label, start_hint
         self._closed = False
-        self._processes, self._connections, self._lifeline = _start(
+        self._processes, self._connections, self._lifeline, self._faults = _start(
             _serve, world_size, (setup, args), start_method=start_method, threads=threads,
             launcher_variables=launcher_variables, loopback=loopback, die_with_parent=die_with_parent,
             name=f"oslo-{label.replace(' ', '-')}", duplex=True, daemon=True)
-        self._finalizer = weakref.finalize(self, _shutdown, self._processes, self._connections, self._lifeline)
+        self._finalizer = weakref.finalize(self, _shutdown, self._processes, self._connections, self._lifeline,
+                                           self._faults)
         self._gather(startup=True)
 
     @property
@@ -497,10 +545,11 @@ class RankGroup:
         process = self._processes[rank]
         process.join(timeout=1.0)
         exitcode = process.exitcode
+        dump = self._faults.read(rank)  # before kill(): closing the group removes the file
         self.kill()
         hint = f" {self.start_hint}" if startup and exitcode == 1 and self.start_hint else ""
         raise RuntimeError(f"{self.label} {rank} (pid {process.pid}) {describe_exit(exitcode)}"
-                           f"{' while starting' if startup else ''}; the others were shut down.{hint}")
+                           f"{' while starting' if startup else ''}; the others were shut down.{hint}{dump}")
 
     def _raise(self, rank: int, exc: BaseException | None, text: str, closed: bool = False) -> None:
         note = f"raised in {self.label} {rank}:\n{text}"

@@ -43,6 +43,9 @@ for _name in oslo.__all__:  # oslo imports its names lazily: resolve them now, o
     getattr(oslo, _name)
 
 transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
+# No "Loading weights" bar per rank and load: thousands of lines in a failing test's captured output, where they
+# push the rank's own error out of view.
+transformers.utils.logging.disable_progress_bar()
 from oslo.integrations import peft as _oslo_peft  # noqa: E402
 
 _oslo_peft.install()  # imports PEFT (a quarter of a second) here, once, instead of in every rank that builds a model

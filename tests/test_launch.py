@@ -98,6 +98,40 @@ def test_lost_ranks_and_a_rank_that_exits_without_a_result():
         launch.run(_returns, 2, lost={1}, timeout=30)  # no other rank fails first
 
 
+def _aborts_inside(rank, world_size):
+    if rank == 1:
+        _a_frame_named_in_the_dump()
+    return rank
+
+
+def _a_frame_named_in_the_dump():
+    os.abort()  # as a C++ std::terminate would: no Python exception, no result
+
+
+def test_a_rank_killed_by_a_signal_names_the_signal_and_where_its_python_code_was():
+    with pytest.raises(launch.RankFailedError, match=r"rank 1 failed:\nexited without a result \(was killed by "
+                                                     r"signal SIGABRT\)") as raised:
+        launch.run(_aborts_inside, 2, timeout=30)
+    assert "_a_frame_named_in_the_dump" in raised.value.text and "_aborts_inside" in raised.value.text
+    assert launch.run(_returns, 2, timeout=30) == [0, 1]  # a rank that ends well leaves no dump behind
+
+
+def test_a_group_rank_killed_by_a_signal_names_where_it_was():
+    with launch.RankGroup(_aborts_on_command, 2, timeout=30) as group:
+        with pytest.raises(RuntimeError, match="rank 0 .* was killed by signal SIGABRT") as raised:
+            group.call("abort")
+    assert "_a_frame_named_in_the_dump" in str(raised.value)
+
+
+def _aborts_on_command(rank, world_size):
+    def handle(command):
+        if rank == 0:
+            _a_frame_named_in_the_dump()
+        time.sleep(5)
+        return rank
+    return handle
+
+
 def _killed_while_the_peer_reports_losing_it(rank, world_size, error):
     if rank == 0:
         time.sleep(1.0)  # the peer's error reaches the launcher first
