@@ -178,6 +178,12 @@ def test_an_adapted_layer_leaves_the_bias_to_a_fused_caller(tmp_path):
         torch.testing.assert_close(layer(x, skip_bias_add=True), layer(x) - layer.get_base_layer().bias)
 
 
+def merge_drift(merged, unmerged) -> float:
+    """The largest change merging an adapter made to a floating-point output of the same model: float32 rounding."""
+    return max((float((merged[key] - value).abs().max()) for key, value in unmerged.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()), default=0.0)
+
+
 def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeline_parallel_size, lr=0.5,
                        low_cpu_mem_usage=False, **options):
     import os
@@ -250,15 +256,21 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
                 ours.merge_adapter()
             return True
         # merged as PEFT merges (into a head tied to the input embeddings, the embeddings change too)
+        unmerged = theirs(**batch)
         ours.merge_adapter()
         theirs.merge_adapter()
-        compare_outputs(ours(**batch), theirs(**batch), f"{name} merged")
+        merged_theirs = theirs(**batch)
+        # Merging rounds W + delta-W in float32, which moves transformers' own outputs (FourierFT's delta, scaled by
+        # 150, moves them by ~3e-6); the step left ours and theirs a rounding apart already: the two add up.
+        slack = merge_drift(merged_theirs, unmerged)
+        compare_outputs(ours(**batch), merged_theirs, f"{name} merged", rtol=1.3e-6, atol=1e-5 + slack)
         ours.unmerge_adapter()
         theirs.unmerge_adapter()
         compare_outputs(ours(**batch), adapted, f"{name} unmerged")
         merged = ours.merge_and_unload()
         assert isinstance(merged, getattr(oslo, name))
-        compare_outputs(merged(**batch), theirs.merge_and_unload()(**batch), f"{name} merge_and_unload")
+        compare_outputs(merged(**batch), theirs.merge_and_unload()(**batch), f"{name} merge_and_unload",
+                        rtol=1.3e-6, atol=1e-5 + slack)
     return True
 
 

@@ -138,21 +138,22 @@ def save_checkpoints(root: str, arch: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Checks, run on every rank of a launch
 # ---------------------------------------------------------------------------------------------
-def _compare(actual, expected, what: str) -> None:
+def _compare(actual, expected, what: str, **tolerance) -> None:
     if isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tolerance)
     elif isinstance(expected, tuple) and expected and isinstance(expected[0], torch.Tensor):
         assert isinstance(actual, tuple) and len(actual) == len(expected), f"{what}: {len(actual)} != {len(expected)}"
         for i, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
-            torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{what}[{i}]: {m}")
+            torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{what}[{i}]: {m}", **tolerance)
 
 
-def compare_outputs(actual, expected, name: str) -> None:
-    """Every tensor field of transformers' output (tuples of tensors too) equals oslo's."""
+def compare_outputs(actual, expected, name: str, **tolerance) -> None:
+    """Every tensor field of transformers' output (tuples of tensors too) equals oslo's (``tolerance``:
+    ``rtol`` and ``atol`` of ``assert_close``, its defaults when not given)."""
     for key, value in expected.items():
         if key in ("cache", "past_key_values"):  # the KV cache (its name before transformers 5.24)
             continue
-        _compare(actual[key], value, f"{name}.{key}")
+        _compare(actual[key], value, f"{name}.{key}", **tolerance)
 
 
 def weight_names(model) -> list[set[str]]:
