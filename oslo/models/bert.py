@@ -69,6 +69,7 @@ from oslo.models.heads import (
     body_inputs,
     class_items,
     gather_logits_by_default,
+    lm_loss_dtype,
     vocabulary_loss,
 )
 from oslo.models.runner import forward_with_head
@@ -678,6 +679,7 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
     gathers logits: not in a training call (``None`` then) unless ``gather_logits=True``."""
 
     _pipeline_loss_inputs = ("labels", "next_sentence_label")
+    _loss_in_logits_dtype = True  # transformers' nn.CrossEntropyLoss on the logits
 
     def __init__(self, config: BertConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
@@ -718,7 +720,9 @@ class BertForPreTraining(_BertPredictions, BertPreTrainedModel):
             if labels is not None:
                 next_sentence = next_sentence.to(seq_relationship_logits.device)
                 nsp = F.cross_entropy(seq_relationship_logits.view(-1, 2), next_sentence.view(-1), reduction="sum")
-                loss = LossSum(torch.stack([masked_lm.float(), nsp.float()]), weights=(1.0, 1.0))
+                both = torch.promote_types(masked_lm.dtype, nsp.dtype)
+                loss = LossSum(torch.stack([masked_lm.to(both), nsp.to(both)]), weights=(1.0, 1.0),
+                               dtype=lm_loss_dtype(self, outputs.last_hidden_state))
             logits = self._vocab_projection().gather(local_logits) if returned else None
             return {"loss": loss, "prediction_logits": logits, "seq_relationship_logits": seq_relationship_logits}
 
@@ -782,6 +786,8 @@ class BertLMHeadModel(_BertPredictions, CausalLMHead, BertPreTrainedModel, Gener
 
 
 class BertForMaskedLM(_BertPredictions, MaskedLMHead, BertPreTrainedModel):
+    _loss_in_logits_dtype = True  # transformers' nn.CrossEntropyLoss on the logits
+
     def __init__(self, config: BertConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
         context = self.parallel_context

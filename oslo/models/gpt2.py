@@ -49,6 +49,7 @@ from oslo.models.heads import (
     body_inputs,
     class_items,
     gather_logits_by_default,
+    lm_loss_dtype,
     output_class_for,
     vocabulary_loss,
 )
@@ -329,6 +330,7 @@ class GPT2DoubleHeadsModel(VocabularyHead, GPT2PreTrainedModel, GenerationMixin)
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _lm_output_class = GPT2DoubleHeadsModelOutput
+    _loss_in_logits_dtype = True  # transformers' nn.CrossEntropyLoss on the logits
 
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
@@ -381,7 +383,7 @@ class GPT2DoubleHeadsModel(VocabularyHead, GPT2PreTrainedModel, GenerationMixin)
                 mc_labels = head_inputs["mc_labels"].to(mc_logits.device)
                 mc_loss = LossSum(F.cross_entropy(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1),
                                                   reduction="sum"))
-            lm_loss = None if lm_loss is None else LossSum(lm_loss)
+            lm_loss = None if lm_loss is None else LossSum(lm_loss, dtype=lm_loss_dtype(self, hidden_states))
             logits = self.lm_head.gather(local_logits) if returned else None
             return {"loss": lm_loss, "mc_loss": mc_loss, "logits": logits, "mc_logits": mc_logits}
 

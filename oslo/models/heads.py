@@ -151,6 +151,20 @@ def vocabulary_loss(model: nn.Module, hidden_states: torch.Tensor, labels: torch
         local_logits
 
 
+def lm_loss_dtype(model: nn.Module, hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype of ``model``'s language-modeling loss as the transformers class of the same name returns it (oslo
+    computes it in float32, float64 for float64 logits, and rounds it to this): float32 where transformers computes
+    on ``logits.float()`` (its ``loss_function``: the causal LMs); the logits' own dtype where it applies
+    ``nn.CrossEntropyLoss`` to the logits as they are (``_loss_in_logits_dtype``: BERT's masked-LM and pre-training
+    heads, T5's, GPT2's double heads), which is float32 under autocast (autocast computes cross entropy in
+    float32) and the hidden states' dtype otherwise."""
+    if not model._loss_in_logits_dtype:
+        return torch.float32
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return torch.promote_types(hidden_states.dtype, torch.float32)
+    return hidden_states.dtype
+
+
 class VocabularyHead:
     """What the language-modeling heads share: ``self.lm_head``, a
     :class:`~oslo.parallel.layers.VocabParallelLMHead` on the last stage (tied to the input embeddings through
@@ -163,6 +177,8 @@ class VocabularyHead:
     ``0`` builds the whole logits as an evaluation call does."""
 
     loss_chunk_size: int | None = None
+
+    _loss_in_logits_dtype: bool = False  # transformers' loss has the logits' dtype (see lm_loss_dtype)
 
     def _build_lm_head(self, config, bias: bool = False) -> None:
         self.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, bias,
@@ -239,7 +255,8 @@ class CausalLMHead(VocabularyHead):
             loss, local_logits = vocabulary_loss(self, keep_last(outputs.last_hidden_state, logits_to_keep),
                                                  head_inputs["labels"], returned=returned, shift=True)
             logits = self._vocab_projection().gather(local_logits) if returned else None
-            return {"loss": None if loss is None else LossSum(loss), "logits": logits}
+            dtype = lm_loss_dtype(self, outputs.last_hidden_state)
+            return {"loss": None if loss is None else LossSum(loss, dtype=dtype), "logits": logits}
 
         return forward_with_head(
             self,
@@ -329,6 +346,7 @@ class TokenClassificationHead(ClassifierDropout):
     ``_token_classifier`` (``"classifier"``; the Llama family: ``"score"``)."""
 
     _token_classifier: str = "classifier"
+    _token_loss_in_float32: bool = False  # transformers' loss_function takes logits.float() (the Llama family's)
 
     def _build_token_classification_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -366,7 +384,9 @@ class TokenClassificationHead(ClassifierDropout):
             loss = None
             if head_inputs["labels"] is not None:
                 labels = head_inputs["labels"].to(logits.device)
-                loss = LossSum(F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1), reduction="sum"))
+                flat = logits.view(-1, self.num_labels)
+                loss = LossSum(F.cross_entropy(flat.float() if self._token_loss_in_float32 else flat, labels.view(-1),
+                                               reduction="sum"))
             return {"loss": loss, "logits": logits}
 
         return forward_with_head(
@@ -592,7 +612,8 @@ def unshifted_lm_head(model: nn.Module, gather: bool) -> Callable:
         loss, local_logits = vocabulary_loss(model, outputs.last_hidden_state, head_inputs["labels"],
                                              returned=returned, shift=False)
         logits = model._vocab_projection().gather(local_logits) if returned else None
-        return {"loss": None if loss is None else LossSum(loss), "logits": logits}
+        return {"loss": None if loss is None else LossSum(loss, dtype=lm_loss_dtype(model, outputs.last_hidden_state)),
+                "logits": logits}
 
     return head
 

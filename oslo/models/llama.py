@@ -384,6 +384,7 @@ class LlamaForSequenceClassification(SequenceClassificationHead, LlamaPreTrained
 
 class LlamaForTokenClassification(TokenClassificationHead, LlamaPreTrainedModel):
     _token_classifier = "score"
+    _token_loss_in_float32 = True
     _body_class = LlamaModel
 
     def __init__(self, config, parallel_context: ParallelContext | None = None) -> None:

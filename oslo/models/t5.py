@@ -849,6 +849,7 @@ class T5EncoderModel(_T5Stacks, T5PreTrainedModel):
 
 class T5ForConditionalGeneration(Seq2SeqLMHead, _T5Stacks, T5PreTrainedModel, GenerationMixin):
     head_runs_stages = True
+    _loss_in_logits_dtype = True  # transformers' nn.CrossEntropyLoss on the logits
     output_class = Seq2SeqModelOutput
     stage_payload = _SEQ2SEQ_PAYLOAD
     per_layer_outputs = _SEQ2SEQ_PER_LAYER

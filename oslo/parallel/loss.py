@@ -40,9 +40,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # never copied; so every rank does the same work whether it holds padding or not.
         # (Not in a traced call: the compiler plans the buffers itself, and refuses a Function that writes
         # into its input.)
-        overwrite = overwrite and logits.dtype == torch.float32 and not torch.compiler.is_compiling()
+        # (float64 logits are computed on in float64, as transformers' cross entropy does; others in float32.)
+        full = logits.dtype in (torch.float32, torch.float64)
+        overwrite = overwrite and full and not torch.compiler.is_compiling()
         # float() makes a buffer of our own from other dtypes; float32 logits are copied unless they may be overwritten
-        softmax = logits.clone() if logits.dtype == torch.float32 and not overwrite else logits.float()
+        softmax = logits if overwrite else logits.clone() if full else logits.float()
         loss, local_target, outside = _chunk_terms(softmax, target, vocab_start, valid_columns, group, ignore_index)
         ctx.save_for_backward(softmax, local_target, outside, target == ignore_index)
         return loss
@@ -165,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x_compute = torch.empty(x.shape, dtype=compute, device=x.device)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=accumulate, device=bias.device)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=accumulate, device=x.device)
         # The gradients are computed for the mean over the call's tokens (the usual loss: the backward pass then
         # multiplies them by exactly 1), scaled before the products as the unfused cross entropy scales them.
         scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(torch.float64 if accumulate == torch.float64
@@ -275,7 +277,7 @@ def linear_cross_entropy(
         chunk_rows: Tokens per chunk (``None``: :func:`loss_chunk_rows` of the shapes).
 
     Returns:
-        A float32 scalar, the same on every rank of the group.
+        A float32 scalar (float64 for a float64 input), the same on every rank of the group.
     """
     x = x.reshape(-1, x.size(-1))
     target = target.reshape(-1).to(x.device)
@@ -292,7 +294,7 @@ def linear_cross_entropy(
     if needs_grad:
         return _LinearCrossEntropy.apply(x, weight, bias, target, vocab_start, valid_columns, transposed, group,
                                          ignore_index, rows, group_size(group) > 1, may_ignore)
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    total = torch.zeros((), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
     for start in range(0, x.size(0), rows):
         logits = _dot(x[start:start + rows], weight, bias, transposed)
         logits = logits.float() if logits.dtype != torch.float64 else logits
@@ -366,7 +368,7 @@ def vocab_parallel_cross_entropy(
             garbage afterwards; the gradients are the same.
 
     Returns:
-        ``(...)`` float32 losses, identical on every rank of the group.
+        ``(...)`` losses, identical on every rank of the group: float32 (float64 for float64 logits).
     """
     shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(
@@ -432,6 +434,7 @@ class LossSum(NamedTuple):
 
     sums: torch.Tensor  # (terms,) or a scalar for one term; differentiable
     weights: tuple[float, ...] = (1.0,)
+    dtype: torch.dtype | None = None  # the averaged loss's dtype, as transformers returns it (None: the sums')
 
 
 class _MeanLoss(torch.autograd.Function):
@@ -491,10 +494,11 @@ def average_loss(
         items = items.to(sums.device)
     if torch.is_tensor(divisor):
         divisor = divisor.to(sums.device)
+    dtype = weighted.dtype if loss.dtype is None else loss.dtype
     if divisor is None and on_backward is None:
-        return (weighted / items).sum()
-    value = (weighted.detach() / items).sum()
-    differentiable = (weighted / (items if divisor is None else divisor)).sum()
+        return (weighted / items).sum().to(dtype)
+    value = (weighted.detach() / items).sum().to(dtype)
+    differentiable = (weighted / (items if divisor is None else divisor)).sum().to(dtype)
     if isinstance(on_backward, traced.Hook):
         return _TracedMeanLoss.apply(differentiable, value, *on_backward)
     return _MeanLoss.apply(differentiable, value, on_backward)

@@ -4,10 +4,11 @@ A GPU is not at hand here, so two stand-ins catch what a move to ``cuda`` would:
 set to ``meta`` after the build (any tensor the forward, backward, loss or generate path still creates
 on ``parallel_context.device`` then meets the parameters' CPU tensors and raises), and the model is moved
 with ``.double()`` (any tensor created in float32 would show in the comparison with transformers'
-float64 model, whose default tolerances are 1e-7). Losses are the exception: both libraries compute the
-language-modeling loss in float32 (transformers' ``loss_function`` calls ``logits.float()``), but not
-every head of transformers does (``GPT2DoubleHeadsModel``'s is float64), so losses and the gradients
-flowing from them are compared at float32's default tolerances.
+float64 model, whose default tolerances are 1e-7). Every loss has transformers' dtype: float32 where its
+``loss_function`` computes on ``logits.float()`` (the causal LMs, the Llama family's token classification), the
+logits' dtype where it applies ``nn.CrossEntropyLoss`` to them (BERT's masked LM, T5, GPT2's double heads); each is
+compared at the default tolerances of its dtype. The gradients flowing from a float32 loss carry float32's
+rounding, so gradients are compared at float32's default tolerances.
 """
 
 from __future__ import annotations
@@ -34,13 +35,9 @@ def root(tmp_path_factory):
 
 
 def _compare(actual, expected, name: str) -> None:
-    """Every output field at float64's tolerances, the losses (computed in float32, see above) at float32's."""
+    """Every output field, the losses included, in transformers' dtype, at the default tolerances of that dtype."""
     for key, value in expected.items():
-        if key.endswith("loss") and value is not None:
-            assert actual[key] is not None, f"{name}.{key} missing"
-            torch.testing.assert_close(actual[key].double(), value.double(), rtol=1.3e-6, atol=1e-5,
-                                       msg=lambda m, k=key: f"{name}.{k}: {m}")
-        elif key not in ("cache", "past_key_values"):
+        if key not in ("cache", "past_key_values"):
             zoo._compare(actual[key], value, f"{name}.{key}")
 
 
@@ -84,6 +81,37 @@ def test_model_follows_its_parameters(root, case):
             assert torch.equal(model.generate(**prompt), reference.generate(**prompt))
     finally:
         context.device = built_on
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.key)
+def test_losses_have_transformers_dtype_in_bfloat16(root, case):
+    """Both models moved to bfloat16: every loss has the dtype transformers gives it (float32 from its
+    ``loss_function``, bfloat16 from ``nn.CrossEntropyLoss`` on bfloat16 logits) and its value at bfloat16's
+    tolerances, in an evaluation call (logits built) and, for the language-modeling heads, a training call (the
+    loss from the hidden states, no logits); under autocast a training call's loss is float32, as there."""
+    path = os.path.join(root, case.key)
+    reference = getattr(transformers, case.name).from_pretrained(path).to(torch.bfloat16)
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(path).to(torch.bfloat16)
+    batch = {k: _as(v, torch.bfloat16) for k, v in case.batch().items()}
+    calls = [("eval", torch.no_grad)]
+    if hasattr(model, "_loss_in_logits_dtype") and "labels" in batch:  # no classifier dropout: deterministic
+        calls.append(("train", torch.enable_grad))
+    for mode, grad_mode in calls:
+        reference.train(mode == "train")
+        model.train(mode == "train")
+        with grad_mode():
+            expected, actual = reference(**batch), model(**batch)
+        for key, value in expected.items():
+            # (in training, the language-modeling loss only: GPT2's multiple-choice head has a dropout of its own)
+            if key.endswith("loss") and value is not None and (mode == "eval" or key == "loss"):
+                torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{case.key} {mode} {k}: {m}")
+    if "train" in dict(calls):
+        plain = {k: _as(v, torch.float32) for k, v in case.batch().items()}
+        model.float().train()
+        reference.float().train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, actual = reference(**plain), model(**plain)
+        assert actual.loss.dtype == expected.loss.dtype == torch.float32, (actual.loss.dtype, expected.loss.dtype)
 
 
 def test_half_precision_move_runs():
