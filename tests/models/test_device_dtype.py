@@ -104,7 +104,7 @@ def test_losses_have_transformers_dtype_in_bfloat16(root, case):
         for key, value in expected.items():
             # (in training, the language-modeling loss only: GPT2's multiple-choice head has a dropout of its own)
             if key.endswith("loss") and value is not None and (mode == "eval" or key == "loss"):
-                torch.testing.assert_close(actual[key], value, msg=lambda m, k=key: f"{case.key} {mode} {k}: {m}")
+                torch.testing.assert_close(actual[key], value, msg=lambda m, k=key, o=mode: f"{case.key} {o} {k}: {m}")
     if "train" in dict(calls):
         plain = {k: _as(v, torch.float32) for k, v in case.batch().items()}
         model.float().train()
