@@ -46,6 +46,11 @@ transformers.AutoModelForCausalLM  # noqa: B018 - resolve the lazy module now
 # No "Loading weights" bar per rank and load: thousands of lines in a failing test's captured output, where they
 # push the rank's own error out of view.
 transformers.utils.logging.disable_progress_bar()
+# No tqdm monitor thread in this process: the tests fork ranks from it, and a thread that holds a lock (tqdm's
+# own, the allocator's) at the moment of a fork leaves that lock held forever in the child.
+import tqdm  # noqa: E402
+
+tqdm.tqdm.monitor_interval = 0
 from oslo.integrations import peft as _oslo_peft  # noqa: E402
 
 _oslo_peft.install()  # imports PEFT (a quarter of a second) here, once, instead of in every rank that builds a model
