@@ -57,7 +57,7 @@ class _FaultLogs:
     signal (SIGABRT from a C++ abort, SIGSEGV...): such a rank sends no traceback, and the launcher names where it
     was from this file."""
 
-    LIMIT = 8000  # characters of a dump kept in an error message (its end: the innermost frames come first)
+    LIMIT = 8000  # characters of a dump kept in an error message (its start: the dying thread, innermost frame first)
 
     def __init__(self, world_size: int) -> None:
         self.directory = tempfile.mkdtemp(prefix="oslo-ranks-")
