@@ -234,7 +234,8 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
     theirs.eval()
     with torch.no_grad():
         adapted = ours(**batch)
-        compare_outputs(adapted, theirs(**batch), f"{name} after a step")
+        unmerged = theirs(**batch)
+        compare_outputs(adapted, unmerged, f"{name} after a step")
         ours.save_pretrained(f"{tmp}/ours", is_main_process=rank == 0)
         if dist.is_initialized():  # (a model of one process has no group)
             dist.barrier()
@@ -256,7 +257,6 @@ def _split_equals_peft(rank, world_size, name, tmp, tensor_parallel_size, pipeli
                 ours.merge_adapter()
             return True
         # merged as PEFT merges (into a head tied to the input embeddings, the embeddings change too)
-        unmerged = theirs(**batch)
         ours.merge_adapter()
         theirs.merge_adapter()
         merged_theirs = theirs(**batch)
