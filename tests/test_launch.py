@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -108,12 +109,14 @@ def _a_frame_named_in_the_dump():
     os.abort()  # as a C++ std::terminate would: no Python exception, no result
 
 
-def test_a_rank_killed_by_a_signal_names_the_signal_and_where_its_python_code_was():
+def test_a_rank_killed_by_a_signal_names_the_signal_and_where_its_python_code_was(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher keeps the ranks' dumps
     with pytest.raises(launch.RankFailedError, match=r"rank 1 failed:\nexited without a result \(was killed by "
                                                      r"signal SIGABRT\)") as raised:
         launch.run(_aborts_inside, 2, timeout=30)
     assert "_a_frame_named_in_the_dump" in raised.value.text and "_aborts_inside" in raised.value.text
-    assert launch.run(_returns, 2, timeout=30) == [0, 1]  # a rank that ends well leaves no dump behind
+    assert launch.run(_returns, 2, timeout=30) == [0, 1]
+    assert os.listdir(tmp_path) == []  # the dumps are removed after a failed run and after one that ended well
 
 
 def test_a_group_rank_killed_by_a_signal_names_where_it_was():
