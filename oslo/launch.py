@@ -28,7 +28,6 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
@@ -55,21 +54,34 @@ _PR_SET_PDEATHSIG = 1
 class _FaultLogs:
     """One file per rank where Python's ``faulthandler`` writes every thread's stack when the rank dies of a fatal
     signal (SIGABRT from a C++ abort, SIGSEGV...): such a rank sends no traceback, and the launcher names where it
-    was from this file."""
+    was from this file. The files have no name (unlinked at creation): nothing is left behind, even when the
+    launcher itself is killed; each rank gets its file's descriptor (inherited, or handed over by
+    ``multiprocessing`` under spawn and forkserver) and writes where the launcher reads."""
 
     LIMIT = 8000  # characters of a dump kept in an error message (its start: the dying thread, innermost frame first)
 
     def __init__(self, world_size: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix="oslo-ranks-")
-        self.paths = [os.path.join(self.directory, f"rank{rank}.txt") for rank in range(world_size)]
+        self.files = []
+        try:
+            for _ in range(world_size):
+                self.files.append(tempfile.TemporaryFile())
+        except OSError:  # no writable temporary directory: the ranks run without a dump
+            self.remove()
+            self.files = []
+
+    def for_rank(self, rank: int) -> _FaultFile | None:
+        return _FaultFile(self.files[rank].fileno()) if self.files else None
 
     def read(self, rank: int) -> str:
         """The rank's dump, as a paragraph to append to an error (``""``: none)."""
-        try:
-            with open(self.paths[rank], errors="replace") as file:
-                text = file.read().strip()
-        except OSError:
+        if not self.files:
             return ""
+        try:
+            # pread: the rank shares the file's offset (the same open file), which this read must not move
+            data = os.pread(self.files[rank].fileno(), 4 * self.LIMIT, 0)
+        except (OSError, ValueError):
+            return ""
+        text = data.decode(errors="replace").strip()
         if not text:
             return ""
         if len(text) > self.LIMIT:
@@ -77,17 +89,37 @@ class _FaultLogs:
         return f"\nIts Python threads when it died (faulthandler):\n{text}"
 
     def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        for file in self.files:
+            with contextlib.suppress(OSError):
+                file.close()
 
 
-_fault_file = None  # in a rank: the open file faulthandler writes to (kept open for the process's life)
+class _FaultFile:
+    """A rank's fault file as a descriptor: pickled (spawn, forkserver) as a duplicate handed to the child."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _FaultFile._received, (DupFd(self.fd),)
+
+    @staticmethod
+    def _received(duplicate) -> _FaultFile:
+        return _FaultFile(duplicate.detach())
 
 
-def _log_faults(path: str) -> None:
+_fault_file: _FaultFile | None = None  # in a rank: the file faulthandler writes to (open for the process's life)
+
+
+def _log_faults(file: _FaultFile | None) -> None:
     global _fault_file
-    with contextlib.suppress(OSError):
-        _fault_file = open(path, "w")
-        faulthandler.enable(_fault_file, all_threads=True)
+    if file is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        faulthandler.enable(file.fd, all_threads=True)
+        _fault_file = file
 
 
 def free_port() -> int:
@@ -171,10 +203,10 @@ def _host_store(listener: socket.socket, port: int, world_size: int):
 
 def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, port: int | None,
                listener: socket.socket | None, environment: dict[str, str], threads: int | None,
-               lifeline: tuple | None, fault_path: str, conn: Connection, args: tuple) -> None:
+               lifeline: tuple | None, fault_file: _FaultFile | None, conn: Connection, args: tuple) -> None:
     """A rank's process: the launcher's environment, then ``target(rank, world_size, conn, *args)``, then
     ``os._exit`` with its return value (interpreter teardown could wait on gloo forever)."""
-    _log_faults(fault_path)
+    _log_faults(fault_file)
     if lifeline is not None:
         reader, writer, set_pdeathsig = lifeline
         if writer is not None:
@@ -248,7 +280,7 @@ def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, s
             process = ctx.Process(
                 target=_bootstrap, name=f"{name}-{rank}", daemon=daemon,
                 args=(target, rank, world_size, port, listener if rank == 0 else None, environment, threads,
-                      rank_lifeline, faults.paths[rank], child_conn, args))
+                      rank_lifeline, faults.for_rank(rank), child_conn, args))
             process.start()
             child_conn.close()
             processes.append(process)
@@ -545,7 +577,7 @@ class RankGroup:
         process = self._processes[rank]
         process.join(timeout=1.0)
         exitcode = process.exitcode
-        dump = self._faults.read(rank)  # before kill(): closing the group removes the file
+        dump = self._faults.read(rank)  # before kill(): closing the group closes the file
         self.kill()
         hint = f" {self.start_hint}" if startup and exitcode == 1 and self.start_hint else ""
         raise RuntimeError(f"{self.label} {rank} (pid {process.pid}) {describe_exit(exitcode)}"

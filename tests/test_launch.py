@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from oslo import launch
 from oslo.parallel.errors import PeerLostError
 
 pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _environment(rank, world_size):
@@ -109,14 +114,65 @@ def _a_frame_named_in_the_dump():
     os.abort()  # as a C++ std::terminate would: no Python exception, no result
 
 
-def test_a_rank_killed_by_a_signal_names_the_signal_and_where_its_python_code_was(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher keeps the ranks' dumps
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_rank_killed_by_a_signal_names_the_signal_and_where_its_python_code_was(tmp_path, monkeypatch,
+                                                                                  start_method):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher makes the ranks' dump files
     with pytest.raises(launch.RankFailedError, match=r"rank 1 failed:\nexited without a result \(was killed by "
                                                      r"signal SIGABRT\)") as raised:
-        launch.run(_aborts_inside, 2, timeout=30)
+        launch.run(_aborts_inside, 2, timeout=60, start_method=start_method)
     assert "_a_frame_named_in_the_dump" in raised.value.text and "_aborts_inside" in raised.value.text
-    assert launch.run(_returns, 2, timeout=30) == [0, 1]
-    assert os.listdir(tmp_path) == []  # the dumps are removed after a failed run and after one that ended well
+    assert launch.run(_returns, 2, timeout=60, start_method=start_method) == [0, 1]
+    # no dump file is left after a failed run or one that ended well (pymp-*: multiprocessing's directory for
+    # the forkserver's socket, removed when this process exits)
+    assert [name for name in os.listdir(tmp_path) if not name.startswith("pymp-")] == []
+
+
+def _group_of_sleepers(parent_pid_file):
+    group = launch.RankGroup(_sleeps_on_command, 2, die_with_parent=True, timeout=60)
+    with open(parent_pid_file, "w") as file:
+        file.write(" ".join(map(str, group.pids)))
+    time.sleep(600)
+
+
+def _sleeps_on_command(rank, world_size):
+    return lambda command: time.sleep(command)
+
+
+def test_a_launcher_killed_with_its_ranks_leaves_no_file(tmp_path):
+    # The launcher cannot clean up after SIGKILL: its ranks' dump files must have no name to leave behind.
+    pids_file = tmp_path / "pids"
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    code = (f"import tempfile, sys; sys.path.insert(0, {str(ROOT)!r}); tempfile.tempdir = {str(temporary)!r}\n"
+            f"from tests.test_launch import _group_of_sleepers; _group_of_sleepers({str(pids_file)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids_file.exists() and pids_file.read_text()):
+            assert parent.poll() is None and time.monotonic() < deadline, "the launcher did not start its ranks"
+            time.sleep(0.1)
+        pids = [int(pid) for pid in pids_file.read_text().split()]
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        parent.kill()
+    assert os.listdir(temporary) == []
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie (its parent is gone, init reaps it) counts as ended
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def test_a_group_rank_killed_by_a_signal_names_where_it_was():
