@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import oslo
 from oslo.parallel.comm import RankFailedError
@@ -229,6 +231,35 @@ def test_token_ids_outside_the_vocabulary_single_process(lm_checkpoint):
     for bad in (1001, -1):
         with pytest.raises(IndexError, match=rf"input_ids hold {bad} at index \(0, 1\)"):
             model(torch.tensor([[5, bad]]))
+
+
+class _CountRangeReads(TorchDispatchMode):
+    """Counts the ops of a range check: a min and a max of an id tensor (``aminmax``), stacked to be read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decoding_step_reads_its_ids_range_once(lm_checkpoint):
+    """Each call of the model checks its token ids and positions, reading their minima and maxima (on a GPU, a
+    wait for the device). A call nested in another (generate()'s step calls the head, the head its body, both with
+    the same tensors) does not read again what the outermost call found in range, and reads the rest at once:
+    a decoding step of generate() reads two tensors (its new tokens, their positions) in one read. Ids out of
+    range in a step still raise (tests above: positions past the table mid-generate)."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint).eval()
+    ids = torch.randint(3, 1001, (2, 5), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for new_tokens in (2, 3):
+        with _CountRangeReads() as mode:
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        counts.append(mode.counts)
+    step = {op: counts[1][op] - counts[0][op] for op in (torch.ops.aten.aminmax.default, torch.ops.aten.stack.default)}
+    assert step == {torch.ops.aten.aminmax.default: 2, torch.ops.aten.stack.default: 1}
 
 
 def _ids_differ(rank, world_size, path):

@@ -32,6 +32,7 @@ from oslo.parallel.agreement import (
     agreed_inputs,
     check_same_inputs,
     embedding_index_error,
+    forget_verified_inputs,
 )
 from oslo.parallel.clip import clip_grad_norm_
 from oslo.parallel.context import ParallelContext, validate_parallel_size
@@ -331,6 +332,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         finally:
             if outermost:
                 context.in_model_call = False
+                if not torch.compiler.is_compiling():
+                    forget_verified_inputs()
 
     @contextmanager
     def _user_call(self, args: tuple, kwargs: dict) -> Iterator[bool]:

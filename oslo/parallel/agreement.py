@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -34,6 +35,7 @@ from oslo.parallel.errors import naming_timeouts
 
 __all__ = [
     "InputMismatchError", "agree_on_nonfinite_gradients", "agreed_inputs", "check_same_inputs", "embedding_index_error",
+    "forget_verified_inputs",
 ]
 
 _BLOCK = 1 << 16
@@ -234,23 +236,58 @@ def _parameter_names(forward: Callable) -> tuple[str, ...]:
     return names
 
 
-def _out_of_range(values: Any, low: int, high: int, message: str) -> IndexError | None:
-    """An ``IndexError`` for the first value of an integer tensor outside ``[low, high)``, or ``None``:
-    ``message`` with ``{found}`` replaced by ``"<value> at index <index>"``.
+class _Verified(threading.local):
+    """``ranges``: the id tensors the current outermost (eager) model call found in range, as (tensor, low, high):
+    a call nested in it (a head's body, generate()'s steps calling the head and the head its body) does not read
+    the same tensor again."""
 
-    Under ``torch.compile``, which cannot branch on the values, the compiled program asserts the range instead
+    def __init__(self) -> None:
+        self.ranges: list[tuple[torch.Tensor, int, int]] = []
+
+
+_verified = _Verified()
+
+
+def forget_verified_inputs() -> None:
+    """The end of an outermost model call: its inputs are no longer known to be in range (nor kept alive)."""
+    _verified.ranges = []
+
+
+def _checkable(values: torch.Tensor) -> bool:
+    return not (values.is_floating_point() or values.is_complex() or values.dtype == torch.bool or values.numel() == 0)
+
+
+def _range_error(checks: list[tuple[torch.Tensor, int, int, str]], nested: bool) -> IndexError | None:
+    """The ``IndexError`` for the first of ``checks`` (an integer tensor, ``low``, ``high``, a message) that holds a
+    value outside ``[low, high)``, or ``None``: the message with ``{found}`` replaced by ``"<value> at index
+    <index>"``. The minima and maxima of all the tensors are read together (one wait for a GPU, not one per
+    tensor); a ``nested`` call skips a tensor that its outermost call found in range.
+
+    Under ``torch.compile``, which cannot branch on the values, the compiled program asserts the ranges instead
     (a ``RuntimeError`` when it runs, the message saying ``"an id at some index"``) and this returns ``None``."""
-    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex() \
-            or values.dtype == torch.bool or values.numel() == 0:
-        return None
     if torch.compiler.is_compiling():
-        torch._assert_async(((values >= low) & (values < high)).all(), message.format(found="an id at some index"))
+        for values, low, high, message in checks:
+            torch._assert_async(((values >= low) & (values < high)).all(), message.format(found="an id at some index"))
         return None
-    smallest, largest = torch.stack(torch.aminmax(values)).tolist()
-    if smallest >= low and largest < high:
+    verified = _verified.ranges
+    if not nested:
+        verified = _verified.ranges = []
+    else:
+        checks = [check for check in checks if not any(
+            known is check[0] and check[1] <= low and high <= check[2] for known, low, high in verified)]
+    if not checks:
         return None
-    index = tuple(((values < low) | (values >= high)).nonzero()[0].tolist())
-    return IndexError(message.format(found=f"{int(values[index])} at index {index}"))
+    if len({values.device for values, *_ in checks}) == 1:
+        bounds = torch.stack([bound.to(torch.int64) for values, *_ in checks
+                              for bound in torch.aminmax(values)]).tolist()
+    else:
+        bounds = [bound for values, *_ in checks for bound in torch.stack(torch.aminmax(values)).tolist()]
+    for (values, low, high, message), smallest, largest in zip(checks, bounds[::2], bounds[1::2], strict=True):
+        if smallest < low or largest >= high:
+            index = tuple(((values < low) | (values >= high)).nonzero()[0].tolist())
+            return IndexError(message.format(found=f"{int(values[index])} at index {index}"))
+        verified.append((values, low, high))
+    return None
 
 
 _DEFAULT_ID_INPUTS = {"input_ids": "vocab_size", "inputs": "vocab_size", "token_type_ids": "vocab_size"}
@@ -280,8 +317,10 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
     named = {**dict(zip(names, args, strict=False)), **kwargs}
     positions = getattr(config, "max_position_embeddings", None)
     id_inputs = getattr(model, "_id_inputs", None) or _DEFAULT_ID_INPUTS
+    checks = []  # (ids, low, high, message), read together
     for name, attribute in id_inputs.items():
-        if not isinstance(named.get(name), torch.Tensor):
+        values = named.get(name)
+        if not isinstance(values, torch.Tensor) or not _checkable(values):
             continue  # not given: no config read, no message (each is traced under torch.compile)
         size = getattr(config, attribute)
         if attribute == "vocab_size":
@@ -297,19 +336,18 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
                 f"{name} hold {{found}}, outside [0, {size}) ({attribute}={size}: "
                 f"{type(model).__name__} embeds {size} of them): pass {name} in [0, {size})."
             )
-        error = _out_of_range(named.get(name), 0, size, message)
-        if error is not None:
-            return error
-    if positions is None:
-        return None
-    position_ids = named.get("position_ids")
-    if isinstance(position_ids, torch.Tensor):
-        return _out_of_range(position_ids, 0, positions, (
+        checks.append((values, 0, size, message))
+    position_ids = named.get("position_ids") if positions is not None else None
+    if isinstance(position_ids, torch.Tensor) and _checkable(position_ids):
+        checks.append((position_ids, 0, positions, (
             f"position_ids hold {{found}}, outside [0, {positions}) "
             f"(max_position_embeddings={positions}): the model embeds {positions} positions. Pass "
             f"position_ids in [0, {positions}): at most {positions} tokens, prompt and new tokens of "
             "generate() included (max_new_tokens)."
-        ))
+        )))
+    error = _range_error(checks, nested)
+    if error is not None or positions is None or isinstance(position_ids, torch.Tensor):
+        return error
     ids = next((named.get(name) for name in ("input_ids", "inputs", "inputs_embeds")
                 if isinstance(named.get(name), torch.Tensor)), None)
     if ids is None:
