@@ -134,8 +134,9 @@ def forward_with_head(
     fields = list(output_class.__dataclass_fields__)
     context = model.parallel_context
     ddp = active_data_parallel_wrapper(context)
-    pending = model.__dict__.pop("_ddp_sync_to_restore", None)
+    pending = getattr(model, "_ddp_sync_to_restore", None)  # (torch 2.11's Dynamo cannot trace __dict__.pop)
     if pending is not None:  # an earlier pipeline step under DDP that was never started
+        del model._ddp_sync_to_restore
         pending[0].require_backward_grad_sync = pending[1]
     batch = {name: value for name, value in {**inputs, **head_inputs}.items() if value is not None}
     has_loss_inputs = any(value is not None for value in head_inputs.values())

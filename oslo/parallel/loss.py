@@ -185,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 losses, local_target, outside = _chunk_terms(logits, target_chunk, vocab_start, valid_columns,
                                                              group, ignore_index)
                 grad = logits  # the softmax, made the gradient of the chunk's summed loss in place
-            total += losses.sum()
+            total = total + losses.sum()  # (not +=: torch 2.11's Dynamo then loses the output's backward)
             rows = torch.arange(grad.size(0), device=grad.device)
             grad[rows, local_target] -= (~outside).to(grad.dtype)
             # The factor of each row: the mean's scale, 0 where the target is ignored (when such rows may be
