@@ -201,12 +201,25 @@ def _host_store(listener: socket.socket, port: int, world_size: int):
                     master_listen_fd=listener.detach())
 
 
+def _renew_thread_pool() -> None:
+    """In a forked rank, before any thread starts: let torch replace the thread pool it inherited (its threads did
+    not survive the fork) now. torch replaces it at the first ``set_num_threads`` after a fork, which every new
+    native thread calls (gloo's workers, two per process group, start together): two at once could read the pool
+    while it is being replaced and abort the process ("pool INTERNAL ASSERT FAILED ... Invalid thread pool!",
+    SIGABRT; seen under torch 2.11 and 2.13)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(torch.get_num_threads())
+
+
 def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, port: int | None,
                listener: socket.socket | None, environment: dict[str, str], threads: int | None,
                lifeline: tuple | None, fault_file: _FaultFile | None, conn: Connection, args: tuple) -> None:
     """A rank's process: the launcher's environment, then ``target(rank, world_size, conn, *args)``, then
     ``os._exit`` with its return value (interpreter teardown could wait on gloo forever)."""
     _log_faults(fault_file)
+    _renew_thread_pool()
     if lifeline is not None:
         reader, writer, set_pdeathsig = lifeline
         if writer is not None:
