@@ -183,8 +183,9 @@ def _strided(spec: ShardSpec | None) -> bool:
 
 
 def _blocked(spec: ShardSpec | None) -> bool:
-    """Whether a fused parameter is a DTensor of blocks (``(in, 3, n)``), where torch cannot plan strided sharding."""
-    return spec is not None and spec.chunks > 1 and not _STRIDED_SHARDING
+    """Whether a fused parameter is a DTensor of blocks (``(in, 3, n)``), where torch cannot plan strided sharding
+    and the parameter is split (on one rank it is whole: a plain ``Shard`` of transformers' shape)."""
+    return spec is not None and spec.chunks > 1 and not _STRIDED_SHARDING and spec.world_size > 1
 
 
 def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple[object, tuple[int, ...]]:
@@ -194,7 +195,7 @@ def _placement_and_shape(storage: torch.Tensor, spec: ShardSpec | None) -> tuple
     shape[spec.dim] = spec.global_size
     if _strided(spec):  # each block split on its own: PyTorch's strided sharding, transformers' shape
         return _StridedShard(spec.dim, split_factor=spec.chunks), tuple(shape)
-    if spec.chunks > 1:
+    if _blocked(spec):
         shape[spec.dim:spec.dim + 1] = [spec.chunks, spec.global_size // spec.chunks]
         return Shard(spec.dim + 1), tuple(shape)
     return Shard(spec.dim), tuple(shape)

@@ -312,6 +312,21 @@ def test_blocks_where_torch_cannot_plan_strided_sharding(checkpoint):
     assert run_distributed(_without_strided_sharding, 2, checkpoint, "_load_whole_state_dict") == [True, True]
 
 
+def _shapes_on_two_stages(rank, world_size, path):
+    return _shapes(rank, world_size, path, 1, 2)[0]
+
+
+def test_blocks_only_where_a_fused_parameter_is_split(checkpoint):
+    """Where torch cannot plan strided sharding, a fused parameter that one rank holds whole (tensor_parallel_size
+    1: pipelines, data parallelism) keeps transformers' shape: PEFT's adapters, the optimizer's state and saved
+    checkpoints see transformers' model there (with blocks, an adapter on c_attn got shapes of its own)."""
+    reference = {name: tuple(p.shape) for name, p in transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
+                 .named_parameters(remove_duplicate=False)}
+    for shapes in run_distributed(_without_strided_sharding, 2, checkpoint, "_shapes_on_two_stages"):
+        assert any(name.endswith("attn.c_attn.weight") for name in shapes), shapes
+        assert shapes == {name: reference[name] for name in shapes}
+
+
 def test_a_whole_state_dict_loads_into_a_split_model(checkpoint):
     """``load_state_dict`` of transformers' whole tensors at tp=2: each parameter takes its slice (GPT2's fused
     c_attn block by block, the vocabulary padded), as the embedding layers PEFT saves beside an adapter load."""
