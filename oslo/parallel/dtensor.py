@@ -440,7 +440,10 @@ def _swap_in(module: nn.Module, args) -> None:
     if names:  # one all-reduce for the module's gradients (a norm's weight and bias arrive together)
         values = copy_many_to_tensor_parallel([module._parameters[name] for name in names], group)
         module._parameters.update(zip(names, values, strict=True))
-    module.__dict__.setdefault("_oslo_swapped", []).append(swapped)
+    stack = module.__dict__.get("_oslo_swapped")
+    if stack is None:  # (made when the module was distributed; not __dict__.setdefault: torch 2.11's Dynamo cannot)
+        stack = module._oslo_swapped = []
+    stack.append(swapped)
 
 
 def _swap_out(module: nn.Module, args, output) -> None:
@@ -715,6 +718,7 @@ def distribute_parameters(model: nn.Module, context: ParallelContext, plain_leav
                         param.grad = None
             module._parameters[name] = dt
         if any(isinstance(p, DTensor) for p in module._parameters.values()) and "_oslo_hooks" not in module.__dict__:
+            module._oslo_swapped = []  # what _swap_in swapped, per call in progress
             module._oslo_hooks = (module.register_forward_pre_hook(_swap_in),
                                   module.register_forward_hook(_swap_out, always_call=True),
                                   module.register_load_state_dict_pre_hook(_whole_to_slice))
