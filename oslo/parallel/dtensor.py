@@ -535,8 +535,14 @@ def _fused(model: nn.Module) -> dict[str, ShardSpec]:
     for name, param in model.named_parameters():  # a PEFT model's adapters: their own DTensors say how they split
         if specs.get(name) is None and isinstance(param, DTensor):
             specs[name] = getattr(param, "_oslo_spec", None)
-    return {name: spec for name, spec in specs.items() if _strided(spec)
+    return {name: spec for name, spec in specs.items() if _strided(spec) or _whole_fused(spec)
             or (spec is not None and spec.chunks > 1 and not is_distributed(model))}
+
+
+def _whole_fused(spec: ShardSpec | None) -> bool:
+    """A fused parameter on one rank where torch cannot plan strided sharding: a ``Shard`` of transformers' shape,
+    which DCP sees as blocks too (as a split model's are there), so that a state saved at one layout loads at any."""
+    return spec is not None and spec.chunks > 1 and spec.world_size == 1 and not _STRIDED_SHARDING
 
 
 def _blocks_shape(shape, spec: ShardSpec) -> tuple[int, ...]:
@@ -566,8 +572,9 @@ def _as_stored_blocks(tensor, spec: ShardSpec, ndim: int):
         local = tensor._local_tensor
         shape = list(tensor.shape)
         shape[spec.dim:spec.dim + 2] = [shape[spec.dim] * shape[spec.dim + 1]]
-        return DTensor.from_local(local.flatten(spec.dim, spec.dim + 1), tensor.device_mesh,
-                                  [_StridedShard(spec.dim, split_factor=spec.chunks)], run_check=False,
+        placement = Shard(spec.dim) if _whole_fused(spec) else _StridedShard(spec.dim, split_factor=spec.chunks)
+        return DTensor.from_local(local.flatten(spec.dim, spec.dim + 1), tensor.device_mesh, [placement],
+                                  run_check=False,
                                   shape=tuple(shape), stride=_contiguous_stride(shape))
     return tensor.flatten(spec.dim, spec.dim + 1)
 
