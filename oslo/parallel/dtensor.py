@@ -98,30 +98,67 @@ def device_mesh(context: ParallelContext) -> DeviceMesh:
 
 
 # Whether this torch redistributes a DTensor with PyTorch's strided sharding (``full_tensor()`` of GPT2's fused
-# ``c_attn``): torch 2.11's redistribution planner refuses a lone ``_StridedShard`` (a ValueError, "unable to be
-# interpreted into a corresponding shard_order"); 2.13's plans it. Where it cannot, fused parameters are DTensors
-# of blocks (``(in, 3, n)``) as before: ``full_tensor()`` then needs :func:`unblock` for transformers' shape.
+# ``c_attn``). torch 2.11's graph-based redistribution planner reads every ``_StridedShard`` as a device order
+# and refuses one on a 1-D mesh (a ValueError, "unable to be interpreted into a corresponding shard_order"),
+# although its redistribution carries out ``_StridedShard -> Replicate`` (an all-gather, then the blocks put
+# back in order); torch 2.13 plans such a one with its greedy planner instead. Where the planner refuses, oslo
+# makes it fall back the same way (:func:`_plan_undecodable_strided_greedily`, the one change to torch's
+# behaviour, and only for placements it refused). If the planner still refuses, fused parameters are DTensors of
+# blocks (``(in, 3, n)``): ``full_tensor()`` then needs :func:`unblock` for transformers' shape.
 _STRIDED_SHARDING = True
 
 
-def _probe_strided_sharding(mesh: DeviceMesh) -> None:
-    """Ask the redistribution planner (no communication) to gather a strided-sharded vector on ``mesh``, once per
-    process; sets :data:`_STRIDED_SHARDING`."""
-    global _STRIDED_SHARDING
-    if getattr(_probe_strided_sharding, "done", False):
-        return
-    _probe_strided_sharding.done = True
-    try:
-        from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
-    except ImportError:  # a torch before the graph-based planner: redistribution handles _StridedShard itself
-        return
+def _plans_strided_sharding(mesh: DeviceMesh) -> bool:
+    """Whether the redistribution planner (no communication) plans gathering a strided-sharded vector on ``mesh``."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
     meta = TensorMeta(torch.Size([3 * mesh.size()]), (1,), torch.float32)
     try:
         _gen_transform_infos_non_cached(DTensorSpec(mesh, (_StridedShard(0, split_factor=3),), meta),
                                         DTensorSpec(mesh, (Replicate(),), meta))
     except ValueError:
-        _STRIDED_SHARDING = False
-    except Exception:  # noqa: BLE001 - another private signature: keep strided sharding, the tests say if it works
+        return False
+    return True
+
+
+def _plan_undecodable_strided_greedily() -> None:
+    """torch 2.13's answer to a ``_StridedShard`` that names no device order, on a torch that raises instead: the
+    graph-based planner's ValueError becomes the greedy plan (what that torch does for every placement without
+    ``_StridedShard``, and 2.13 for these)."""
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+
+    graph_based = DTensorRedistributePlanner.generate_graph_based_transform_infos
+    if getattr(graph_based, "_oslo_greedy_fallback", False):
+        return
+
+    @functools.wraps(graph_based)
+    def planned(self, src_spec, dst_spec, *args, **kwargs):
+        try:
+            return graph_based(self, src_spec, dst_spec, *args, **kwargs)
+        except ValueError as error:
+            if "shard_order" not in str(error):
+                raise
+            return self.generate_greedy_transform_infos(src_spec, dst_spec)
+
+    planned._oslo_greedy_fallback = True
+    DTensorRedistributePlanner.generate_graph_based_transform_infos = planned
+
+
+def _probe_strided_sharding(mesh: DeviceMesh) -> None:
+    """Whether this torch plans strided sharding on ``mesh``, once per process (greedily where its graph-based planner
+    refuses, see above); sets :data:`_STRIDED_SHARDING`."""
+    global _STRIDED_SHARDING
+    if getattr(_probe_strided_sharding, "done", False):
+        return
+    _probe_strided_sharding.done = True
+    try:
+        if _plans_strided_sharding(mesh):
+            return
+        _plan_undecodable_strided_greedily()
+        _STRIDED_SHARDING = _plans_strided_sharding(mesh)
+    except (ImportError, AttributeError, TypeError):
+        # a torch before the graph-based planner (its redistribution handles _StridedShard itself), or another
+        # private signature: keep strided sharding, the tests say if it works
         pass
 
 

@@ -253,11 +253,8 @@ def test_every_parameter_has_transformers_shape(checkpoint, tp, pp):
     reference = {name: tuple(p.shape) for name, p in transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
                  .named_parameters(remove_duplicate=False)}
     for shapes, strided in run_distributed(_shapes, tp * pp, checkpoint, tp, pp):
-        expected = {name: reference[name] for name in shapes}
-        if not strided:  # a torch whose DTensor cannot plan strided sharding (2.11): c_attn may be in blocks
-            expected = {name: shapes[name] if ".c_attn." in name and shapes[name] == shape[:-1] + (3, shape[-1] // 3)
-                        else shape for name, shape in expected.items()}
-        assert shapes and expected == shapes
+        assert strided  # torch plans strided sharding (2.11 with oslo's fallback, 2.13 itself)
+        assert shapes and shapes == {name: reference[name] for name in shapes}
 
 
 def _load_whole_state_dict(rank, world_size, path):
@@ -310,6 +307,46 @@ def test_blocks_where_torch_cannot_plan_strided_sharding(checkpoint):
             torch.testing.assert_close(value, state[name], msg=lambda m, n=name: f"{n}: {m}")
         assert before > 1e-3 and after == 0.0, (before, after)
     assert run_distributed(_without_strided_sharding, 2, checkpoint, "_load_whole_state_dict") == [True, True]
+
+
+def _with_a_planner_that_refuses_strided_sharding(rank, world_size, path):
+    """``_gradients`` where torch's graph-based redistribution planner refuses a ``_StridedShard`` that names no
+    device order, as torch 2.11's does (its ValueError, word for word), whatever this torch would do."""
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def refusing(self, src_spec, dst_spec, *args, **kwargs):
+        placements = (*src_spec.placements, *dst_spec.placements)
+        if any(isinstance(p, _StridedShard) for p in placements):
+            refusing.refused += 1
+            raise ValueError(f"use_strided_shard_as_shard_order is True, but placements: {src_spec.placements} is "
+                             "unable to be interpreted into a corresponding shard_order")
+        return planner(self, src_spec, dst_spec, *args, **kwargs)
+
+    refusing.refused = 0
+    planner = DTensorRedistributePlanner.generate_graph_based_transform_infos
+    DTensorRedistributePlanner.generate_graph_based_transform_infos = refusing
+    dtensor_module._probe_strided_sharding.done = False
+    dtensor_module._STRIDED_SHARDING = True
+    grads, shapes = _gradients(rank, world_size, path)
+    return grads, shapes, refusing.refused
+
+
+def test_strided_sharding_where_torch_plans_it_only_greedily(checkpoint):
+    """torch 2.11 (the GPU image's) carries out ``_StridedShard -> Replicate`` but its graph-based planner refuses to
+    plan it on a 1-D mesh; oslo falls back to the greedy plan there, as torch 2.13 does: GPT2's c_attn keeps
+    transformers' shape at tp=2 (with the blocks layout an adapter or a Trainer checkpoint saw other shapes) and
+    every gathered gradient equals transformers'."""
+    reference = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).train()
+    reference(**global_batch()).loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for grads, shapes, refused in run_distributed(_with_a_planner_that_refuses_strided_sharding, 2, checkpoint):
+        assert refused > 0  # the emulated refusal was met
+        assert shapes["transformer.h.0.attn.c_attn.weight"] == (32, 96), shapes
+        assert shapes["transformer.h.0.attn.c_attn.bias"] == (96,), shapes
+        assert set(grads) == set(expected)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _shapes_on_two_stages(rank, world_size, path):
