@@ -76,6 +76,12 @@ __all__ = [
     "undistribute_parameters",
 ]
 
+# A state dict of GPT2 (``torch.save(model.state_dict())``) holds DTensors with ``_StridedShard`` placements; torch
+# 2.13 lets ``torch.load(..., weights_only=True)`` rebuild them, 2.11 only its other placements. The same class made
+# loadable on every torch (a placement is a dimension and a split factor: nothing to run).
+if _StridedShard not in torch.serialization.get_safe_globals():
+    torch.serialization.add_safe_globals([_StridedShard])
+
 # Megatron-LM's parameter attributes, read by DeepSpeed (its gradient norm through ``mpu``), apex and NeMo.
 _MEGATRON_REPLICATED = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
