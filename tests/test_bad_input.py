@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import traceback
 
 import pytest
 import torch
@@ -260,6 +261,62 @@ def test_a_decoding_step_reads_its_ids_range_once(lm_checkpoint):
         counts.append(mode.counts)
     step = {op: counts[1][op] - counts[0][op] for op in (torch.ops.aten.aminmax.default, torch.ops.aten.stack.default)}
     assert step == {torch.ops.aten.aminmax.default: 2, torch.ops.aten.stack.default: 1}
+
+
+class _HostReads(TorchDispatchMode):
+    """Where oslo's code reads a tensor's values on the host (``.item()``, ``int()``, ``bool()``, ``.tolist()``): on a
+    GPU each is a wait for the device. Records the function of oslo's that read (``None``: transformers' code read,
+    e.g. its causal mask's ``_ignore_causal_mask_sdpa``, as it does under transformers' model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = []
+
+    def _record(self) -> None:
+        frames = [frame for frame in traceback.extract_stack()[:-2]
+                  if f"{os.sep}oslo{os.sep}" in frame.filename or f"{os.sep}transformers{os.sep}" in frame.filename]
+        self.reads.append(frames[-1].name if frames and f"{os.sep}oslo{os.sep}" in frames[-1].filename else None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self._record()
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        tolist = self._tolist = torch.Tensor.tolist
+        mode = self
+
+        def counted(tensor, *args):
+            mode._record()
+            return tolist(tensor, *args)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def test_a_training_call_reads_its_inputs_once(lm_checkpoint):
+    """A training call checks its ids, its attention mask's longest row against the positions and its labels against
+    the vocabulary, and reads all of them in one ``.tolist()`` (on a GPU, one wait for the device, where it was
+    three). The only other read is the loss's, on a CPU only (it leaves out the ignored tokens there). Bad labels
+    and too long a mask still raise (the labels then read again, to name the value)."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint).train()
+    ids = torch.randint(3, 1001, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100
+    with _HostReads() as mode:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert [read for read in mode.reads if read not in (None, "linear_cross_entropy")] == ["_read"], mode.reads
+    with pytest.raises(ValueError, match="labels hold the token id 1001"):
+        model(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels == -100, 1001))
+    with pytest.raises(ValueError, match="labels hold the token id -5"):
+        model(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels == -100, -5))
+    with pytest.raises(IndexError, match=r"a row of its attention mask holds 65 tokens"):  # n_positions=64
+        model(input_ids=torch.randint(3, 1001, (2, 65)), attention_mask=torch.ones(2, 65, dtype=torch.long))
 
 
 def _ids_differ(rank, world_size, path):

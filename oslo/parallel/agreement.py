@@ -36,6 +36,7 @@ from oslo.parallel.errors import naming_timeouts
 __all__ = [
     "InputMismatchError", "agree_on_nonfinite_gradients", "agreed_inputs", "check_same_inputs", "embedding_index_error",
     "forget_verified_inputs",
+    "read_label_bounds",
 ]
 
 _BLOCK = 1 << 16
@@ -239,10 +240,12 @@ def _parameter_names(forward: Callable) -> tuple[str, ...]:
 class _Verified(threading.local):
     """``ranges``: the id tensors the current outermost (eager) model call found in range, as (tensor, low, high):
     a call nested in it (a head's body, generate()'s steps calling the head and the head its body) does not read
-    the same tensor again."""
+    the same tensor again. ``labels``: the call's ``labels`` and their smallest and largest value (``-100`` counted
+    as 0), read with the ids, for :func:`oslo.parallel.loss.check_labels`."""
 
     def __init__(self) -> None:
         self.ranges: list[tuple[torch.Tensor, int, int]] = []
+        self.labels: tuple[torch.Tensor, int, int] | None = None
 
 
 _verified = _Verified()
@@ -251,43 +254,58 @@ _verified = _Verified()
 def forget_verified_inputs() -> None:
     """The end of an outermost model call: its inputs are no longer known to be in range (nor kept alive)."""
     _verified.ranges = []
+    _verified.labels = None
+
+
+def read_label_bounds(labels: torch.Tensor) -> tuple[int, int] | None:
+    """The smallest and largest value of ``labels`` (``-100`` counted as 0) if the current model call's input check
+    read them with its ids (one wait for a GPU for both), else ``None``."""
+    known = _verified.labels
+    return (known[1], known[2]) if known is not None and known[0] is labels else None
 
 
 def _checkable(values: torch.Tensor) -> bool:
     return not (values.is_floating_point() or values.is_complex() or values.dtype == torch.bool or values.numel() == 0)
 
 
-def _range_error(checks: list[tuple[torch.Tensor, int, int, str]], nested: bool) -> IndexError | None:
+def _read(scalars: list[torch.Tensor]) -> list[int]:
+    """The values of integer 0-dim tensors, read at once where they share a device (one wait for a GPU)."""
+    if not scalars:
+        return []
+    if len({scalar.device for scalar in scalars}) == 1:
+        return torch.stack([scalar.to(torch.int64) for scalar in scalars]).tolist()
+    return [int(scalar) for scalar in scalars]
+
+
+def _range_error(checks: list[tuple[torch.Tensor, int, int, str]], nested: bool,
+                 also: list[torch.Tensor] = ()) -> tuple[IndexError | None, list[int]]:
     """The ``IndexError`` for the first of ``checks`` (an integer tensor, ``low``, ``high``, a message) that holds a
     value outside ``[low, high)``, or ``None``: the message with ``{found}`` replaced by ``"<value> at index
-    <index>"``. The minima and maxima of all the tensors are read together (one wait for a GPU, not one per
-    tensor); a ``nested`` call skips a tensor that its outermost call found in range.
+    <index>"``; and the values of ``also`` (integer 0-dim tensors). The minima and maxima of all the tensors and
+    ``also`` are read together (one wait for a GPU, not one per tensor); a ``nested`` call skips a tensor that its
+    outermost call found in range.
 
     Under ``torch.compile``, which cannot branch on the values, the compiled program asserts the ranges instead
-    (a ``RuntimeError`` when it runs, the message saying ``"an id at some index"``) and this returns ``None``."""
+    (a ``RuntimeError`` when it runs, the message saying ``"an id at some index"``) and this returns ``None``
+    (``also`` is then empty: it is not read)."""
     if torch.compiler.is_compiling():
         for values, low, high, message in checks:
             torch._assert_async(((values >= low) & (values < high)).all(), message.format(found="an id at some index"))
-        return None
+        return None, []
     verified = _verified.ranges
     if not nested:
         verified = _verified.ranges = []
     else:
         checks = [check for check in checks if not any(
             known is check[0] and check[1] <= low and high <= check[2] for known, low, high in verified)]
-    if not checks:
-        return None
-    if len({values.device for values, *_ in checks}) == 1:
-        bounds = torch.stack([bound.to(torch.int64) for values, *_ in checks
-                              for bound in torch.aminmax(values)]).tolist()
-    else:
-        bounds = [bound for values, *_ in checks for bound in torch.stack(torch.aminmax(values)).tolist()]
+    values_read = _read([bound for values, *_ in checks for bound in torch.aminmax(values)] + list(also))
+    bounds, extra = values_read[:2 * len(checks)], values_read[2 * len(checks):]
     for (values, low, high, message), smallest, largest in zip(checks, bounds[::2], bounds[1::2], strict=True):
         if smallest < low or largest >= high:
             index = tuple(((values < low) | (values >= high)).nonzero()[0].tolist())
-            return IndexError(message.format(found=f"{int(values[index])} at index {index}"))
+            return IndexError(message.format(found=f"{int(values[index])} at index {index}")), extra
         verified.append((values, low, high))
-    return None
+    return None, extra
 
 
 _DEFAULT_ID_INPUTS = {"input_ids": "vocab_size", "inputs": "vocab_size", "token_type_ids": "vocab_size"}
@@ -345,28 +363,44 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
             f"position_ids in [0, {positions}): at most {positions} tokens, prompt and new tokens of "
             "generate() included (max_new_tokens)."
         )))
-    error = _range_error(checks, nested)
-    if error is not None or positions is None or isinstance(position_ids, torch.Tensor):
-        return error
+    # Read with the ids, so that a training call waits for the device once: the labels' bounds (for check_labels,
+    # which the head calls) and the attention mask's longest row (below).
+    also, labels = [], named.get("labels")
+    eager_outermost = not nested and not torch.compiler.is_compiling()
+    if not eager_outermost:
+        labels = None
+    elif isinstance(labels, torch.Tensor) and _checkable(labels):
+        also += torch.aminmax(labels.masked_fill(labels == -100, 0))
+    else:
+        labels = None
     ids = next((named.get(name) for name in ("input_ids", "inputs", "inputs_embeds")
                 if isinstance(named.get(name), torch.Tensor)), None)
+    mask = named.get("attention_mask")
+    counts_mask = (positions is not None and not isinstance(position_ids, torch.Tensor) and ids is not None
+                   and not nested and isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.numel()))
+    if counts_mask and eager_outermost:
+        also.append(mask.sum(-1).max())
+    error, extra = _range_error(checks, nested, also)
+    if labels is not None:
+        _verified.labels = (labels, extra[0], extra[1])
+    if error is not None or positions is None or isinstance(position_ids, torch.Tensor):
+        return error
     if ids is None:
         return None
     length = ids.shape[-2] if ids.is_floating_point() else ids.shape[-1]  # embeddings: (..., T, C)
     cache = named.get("cache", named.get("past_key_values"))  # its name before transformers 5.24
     past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-    mask = named.get("attention_mask")
     message = (
         f"the input reaches {{found}}, outside [0, {positions}) (max_position_embeddings={positions}): the "
         f"model embeds {positions} positions. Truncate the input to at most {positions} tokens in all, e.g. "
         f"tokenizer(..., truncation=True, max_length={positions})."
     )
-    if not nested and isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.numel():
+    if counts_mask:
         if torch.compiler.is_compiling():  # no branching on the mask's values: the compiled program asserts
             found = f"a position (a row of its attention mask holds more than {positions} tokens)"
             torch._assert_async(mask.sum(-1).max() <= positions, message.format(found=found))
             return None
-        needed = int(mask.sum(-1).max())  # the mask covers the cached positions too
+        needed = extra[-1]  # the mask's longest row, read with the ids: it covers the cached positions too
         counted = f"a row of its attention mask holds {needed} tokens"
     else:
         needed = past + length
