@@ -306,7 +306,7 @@ def test_a_training_call_reads_its_inputs_once(lm_checkpoint):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(lm_checkpoint).train()
     ids = torch.randint(3, 1001, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    labels = ids.masked_fill(mask == 0, -100)
+    labels = ids.clone()
     labels[:, :2] = -100
     with _HostReads() as mode:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()

@@ -365,14 +365,11 @@ def embedding_index_error(model: torch.nn.Module, args: tuple, kwargs: Mapping[s
         )))
     # Read with the ids, so that a training call waits for the device once: the labels' bounds (for check_labels,
     # which the head calls) and the attention mask's longest row (below).
-    also, labels = [], named.get("labels")
     eager_outermost = not nested and not torch.compiler.is_compiling()
-    if not eager_outermost:
+    labels = named.get("labels") if eager_outermost else None
+    if not (isinstance(labels, torch.Tensor) and _checkable(labels)):
         labels = None
-    elif isinstance(labels, torch.Tensor) and _checkable(labels):
-        also += torch.aminmax(labels.masked_fill(labels == -100, 0))
-    else:
-        labels = None
+    also = [] if labels is None else list(torch.aminmax(labels.masked_fill(labels == -100, 0)))
     ids = next((named.get(name) for name in ("input_ids", "inputs", "inputs_embeds")
                 if isinstance(named.get(name), torch.Tensor)), None)
     mask = named.get("attention_mask")
