@@ -4,9 +4,9 @@
 #   bash benchmarks/gpu_session.sh [all|tests|bench] [OUTPUT_DIR]     # default: all, $OUT or ./gpu_output
 #
 # Each step has its own time limit and writes its log to OUTPUT_DIR; a failing step does not stop the
-# next. The test files run at once; the benchmarks (benchmarks/fused_loss.py's GPU part, then
-# benchmarks/gpu_step.py) run alone, one after the other. Runs from a checkout without installing it
-# (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default 360) bounds benchmarks/gpu_step.py; GPU_STEP_ARGS adds
+# next. The test files run at once; the benchmarks (benchmarks/fused_loss.py's GPU part,
+# benchmarks/kernels_gpu.py, then benchmarks/gpu_step.py) run alone, one after the other. Runs from a
+# checkout without installing it (PYTHONPATH=.). GPU_STEP_BUDGET (seconds, default 300) bounds benchmarks/gpu_step.py; GPU_STEP_ARGS adds
 # arguments to it (--skip-compile: the eager variants and generation alone, about a minute). The tests that
 # fork ranks run in their own pytest process: a parent that has used CUDA cannot fork CUDA users.
 set -u
@@ -51,7 +51,8 @@ fi
 if [ "$part" != tests ]; then
     step fused_loss 120 python3 benchmarks/fused_loss.py --device cuda --part d --n-embd 1024 \
         --chunk-rows 256 512 2048 4096
-    budget="${GPU_STEP_BUDGET:-360}"
+    step kernels_gpu 90 python3 benchmarks/kernels_gpu.py --quick
+    budget="${GPU_STEP_BUDGET:-300}"
     # shellcheck disable=SC2086  # GPU_STEP_ARGS: extra arguments, word-split on purpose (--skip-compile, say)
     step gpu_step $((budget + 60)) python3 benchmarks/gpu_step.py --budget-s "$budget" --json "$out/gpu_step.json" \
         ${GPU_STEP_ARGS:-}

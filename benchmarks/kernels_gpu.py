@@ -21,6 +21,8 @@ unfused / fused: above 1, the kernel is faster.
 * attention softmax, where scores are materialized (eager attention, ``output_attentions=True``; otherwise
   ``fuse()`` keeps sdpa, measured too for scale): eager ``softmax(scores * scale + causal_mask)`` against
   ``scaled_masked_softmax(scores, scale=..., causal=True)``; GPT-Neo's window (256) against the unfused band.
+* RMSNorm of the Llama family (hidden 2048): transformers' ``LlamaRMSNorm`` against torch's ``F.rms_norm``, what
+  ``fuse()`` runs on CUDA.
 * n-gram blocking (n = 3, vocab 50257; generation's 8 rows x 256 tokens, and 64 x 1024): transformers'
   processor (what ``generate()`` runs without ``fuse()``) against ``no_repeat_ngram_block`` in place.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -206,6 +209,31 @@ def _bias_dropout_add_case(label, count, weight, bias, p, dtype, timing) -> None
                        picks)
 
 
+def bench_rms_norm(rows: dict, dtype: torch.dtype, timing: dict, hidden: int = 2048) -> None:
+    """The Llama family's RMSNorm (hidden 2048: Llama-3.2-1B): transformers' expression (seven kernels) against
+    torch's ``F.rms_norm``, which ``fuse()`` runs on CUDA (:class:`oslo.models.llama.LlamaRMSNorm`)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as TransformersRMSNorm
+
+    from oslo.models.llama import LlamaRMSNorm
+
+    print(f"\n-- RMSNorm (hidden {hidden}), transformers' LlamaRMSNorm against oslo's after fuse()")
+    unfused_norm = TransformersRMSNorm(hidden, eps=1e-5).to("cuda", dtype)
+    fused_norm = LlamaRMSNorm(hidden, eps=1e-5).to("cuda", dtype)
+    fused_norm.fuse()
+    for label, count in rows.items():
+        x = torch.randn(count, hidden, device="cuda", dtype=dtype, requires_grad=True)
+        unfused, fused = functools.partial(unfused_norm, x), functools.partial(fused_norm, x)
+        check(f"rms_norm {label}", fused(), unfused(), atol=2e-2)
+        if label == "training":
+            inputs = [x, unfused_norm.weight, fused_norm.weight]
+            report(f"{label} {count} rows, fwd+bwd", cuda_ms(forward_backward(unfused, inputs), **timing),
+                   cuda_ms(forward_backward(fused, inputs), **timing), "torch F.rms_norm")
+        else:
+            with torch.no_grad():
+                report(f"{label} {count} rows, forward (wall)", wall_ms(unfused, **timing), wall_ms(fused, **timing),
+                       "torch F.rms_norm")
+
+
 def bench_softmax(batch: int, seq: int, cache: int, dtype: torch.dtype, timing: dict) -> None:
     print("\n-- attention softmax where the scores are materialized (eager attention, output_attentions=True)")
     scale = HEAD_DIM**-0.5
@@ -313,6 +341,7 @@ def main() -> None:
         ("mlp", lambda: bench_mlp(rows, dtype, timing)),
         ("bias_dropout_add", lambda: bench_bias_dropout_add(rows, dtype, timing)),
         ("softmax", lambda: bench_softmax(args.batch, args.seq, args.cache, dtype, timing)),
+        ("rms_norm", lambda: bench_rms_norm(rows, dtype, timing)),
         ("ngram", lambda: bench_ngram(timing)),
     ):
         try:

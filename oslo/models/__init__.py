@@ -61,6 +61,7 @@ from oslo.models.llama import (
     LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
+    LlamaRMSNorm,
 )
 from oslo.models.mistral import (
     MistralForCausalLM,
@@ -135,6 +136,7 @@ __all__ = [
     "GPTNeoForQuestionAnswering",
     "LlamaAttention",
     "LlamaMLP",
+    "LlamaRMSNorm",
     "LlamaDecoderLayer",
     "LlamaPreTrainedModel",
     "LlamaModel",

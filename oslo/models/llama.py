@@ -31,8 +31,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm as _TransformersLlamaRMSNorm
 from transformers.models.llama.modeling_llama import (
-    LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
@@ -161,6 +161,29 @@ class LlamaAttention(nn.Module):
         if output_attentions and attn_weights is not None:
             attn_weights = gather_from_tensor_parallel(attn_weights, self.tensor_parallel_group, dim=1)
         return self.o_proj(attn_output), attn_weights
+
+
+def _takes_fused_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a fused RMSNorm runs torch's ``F.rms_norm``: on CUDA (torch's fused kernels there, where
+    transformers' expression launches seven and saves its float32 intermediates), for one dtype. Elsewhere,
+    and where the input's dtype is not the weight's (transformers then promotes), transformers' expression."""
+    return hidden_states.is_cuda and hidden_states.dtype == weight.dtype
+
+
+class LlamaRMSNorm(_TransformersLlamaRMSNorm):
+    """transformers' ``LlamaRMSNorm`` (same weight, same math); after ``fuse()`` torch's one-kernel
+    ``F.rms_norm`` where :func:`_takes_fused_rms_norm` says so. In float32 both compute the same; in bfloat16 and
+    float16 torch rounds once where transformers rounds before multiplying by the weight (1 ulp apart)."""
+
+    fused = False
+
+    def fuse(self) -> None:
+        self.fused = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.fused and _takes_fused_rms_norm(hidden_states, self.weight):
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 class LlamaMLP(nn.Module):
