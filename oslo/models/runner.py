@@ -70,6 +70,40 @@ class _LogitsNotGathered:
 _NOT_GATHERED: dict[type, type] = {}
 
 
+class _PassWithoutStageGradients(torch.autograd.Function):
+    """An output of a pipelined pass without labels, as it is (no copy), whose backward raises: the pass carries
+    no gradient back over the stages, so a loss computed from its outputs must fail, not train the user's own
+    layers on top and leave the model's untouched."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, pipeline_parallel_size: int) -> torch.Tensor:
+        ctx.pipeline_parallel_size = pipeline_parallel_size
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            f"a loss was backpropagated into the outputs of a call without labels under pipeline parallelism "
+            f"(pipeline_parallel_size={ctx.pipeline_parallel_size}): such a call is one pass over the stages and "
+            "carries no gradient back to them, so it cannot train the model. Train through the pipeline: pass the "
+            "labels (start_positions/end_positions for question answering) and backpropagate each micro-batch's "
+            "loss, `for micro_output in model(**batch, labels=labels): micro_output.loss.backward()`. To train "
+            "only layers of your own on the model's outputs, freeze the model (model.requires_grad_(False)) or "
+            "detach the outputs; to evaluate, call it under torch.no_grad()."
+        )
+
+
+def _refuse_stage_gradients(value, pipeline_parallel_size: int):
+    """``value`` (a tensor, or a tuple of them: per-layer outputs) with every floating tensor passed through
+    :class:`_PassWithoutStageGradients`."""
+    if isinstance(value, tuple):
+        return tuple(_refuse_stage_gradients(item, pipeline_parallel_size) for item in value)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return value
+    anchor = torch.empty(0, device=value.device, requires_grad=True)
+    return _PassWithoutStageGradients.apply(anchor, value, pipeline_parallel_size)
+
+
 def logits_not_gathered(output_class: type) -> type:
     """``output_class`` (a transformers ``ModelOutput``) whose ``logits`` attribute raises an error that says
     why they are missing and how to get them (``gather_logits=True``). Made once per class, when a model class
@@ -303,6 +337,10 @@ def forward_with_head(
     link = StageLink(context)
     values.update({name: link.gather_stages({stage: outputs[name] for stage, outputs in stage_outputs.items()
                                              if name in outputs}) for name in per_layer_fields if asked(name)})
+    if torch.is_grad_enabled() and any(param.requires_grad for param in model.parameters()):
+        # transformers' outputs would carry gradients into the model here; these cannot (see the class).
+        size = context.pipeline_parallel_size
+        values = {name: _refuse_stage_gradients(value, size) for name, value in values.items()}
     if CACHE_FIELD in fields:
         values[CACHE_FIELD] = cache if use_cache else None
     return wrap(output_class(**values))

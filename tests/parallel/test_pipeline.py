@@ -6,6 +6,7 @@ vocabulary, the tied copies through training, StageLayers' indexing; shown on GP
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -97,16 +98,52 @@ def _inference(rank, world_size, path, tp):
     torch.testing.assert_close(actual.logits, expected.logits)
     torch.testing.assert_close(actual.loss, expected.loss)
     without_labels = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    assert without_labels.loss is None and not without_labels.logits.requires_grad
+    assert without_labels.loss is None
     torch.testing.assert_close(without_labels.logits, expected.logits)
+    # Its outputs carry no gradient to the stages: a loss computed from them fails, on every stage, saying so.
+    with pytest.raises(RuntimeError, match="call without labels under pipeline parallelism"):
+        without_labels.logits.logsumexp(-1).mean().backward()
     with torch.no_grad():
         assert model(**batch, gather_logits=False).logits is None
 
 
 def test_no_gradient_pass_returns_outputs_on_every_stage(lm_checkpoint):
-    """Every stage gets the outputs (at every layout: tests/models/test_zoo.py); without labels no loss and
-    logits outside autograd; gather_logits=False returns none."""
+    """Every stage gets the outputs (at every layout: tests/models/test_zoo.py); without labels no loss, and a
+    backward from the logits is refused; gather_logits=False returns none."""
     run_distributed(_inference, 4, lm_checkpoint, 2)
+
+
+def _a_head_of_ones_own(rank, world_size, path):
+    """BertModel at pp=2 under a classifier of the user's: with the model trainable the backward is refused (it
+    would train the classifier alone); frozen, the classifier trains as on transformers' BertModel."""
+    model = oslo.BertModel.from_pretrained_with_parallel(path, pipeline_parallel_size=world_size).train()
+    reference = transformers.BertModel.from_pretrained(path).train()
+    ids = torch.tensor([[2, 5, 6, 7, 3], [2, 9, 10, 11, 3]])
+    labels = torch.tensor([0, 1])
+    torch.manual_seed(0)
+    head = torch.nn.Linear(reference.config.hidden_size, 2)
+    theirs = copy.deepcopy(head)
+
+    loss = torch.nn.functional.cross_entropy(head(model(input_ids=ids).pooler_output), labels)
+    with pytest.raises(RuntimeError, match="cannot train the model"):
+        loss.backward()
+    head.zero_grad()
+
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    torch.nn.functional.cross_entropy(head(model(input_ids=ids).pooler_output), labels).backward()
+    torch.nn.functional.cross_entropy(theirs(reference(input_ids=ids).pooler_output), labels).backward()
+    torch.testing.assert_close(head.weight.grad, theirs.weight.grad)
+    torch.testing.assert_close(head.bias.grad, theirs.bias.grad)
+    return True
+
+
+def test_a_loss_of_ones_own_on_pipeline_outputs(tmp_path):
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=16,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    save_reference(transformers.BertModel, config, tmp_path)
+    assert run_distributed(_a_head_of_ones_own, 2, str(tmp_path)) == [True, True]
 
 
 def _save(rank, world_size, path, target, tp, merged):
