@@ -555,9 +555,11 @@ def load_checkpoint(
     checkpoint: Checkpoint,
     init_missing: Callable[[str, ShardSpec | None, tuple[int, ...]], torch.Tensor],
     allow_vocab_resize: bool = False,
-) -> None:
+) -> dict[str, list]:
     """Fill ``model``'s (already allocated, local) parameters from ``checkpoint``, reading only this
-    rank's slices. Runs on every rank; if any rank fails, all raise.
+    rank's slices. Runs on every rank; if any rank fails, all raise. Returns transformers' loading info (the
+    same on every rank): ``missing_keys`` (newly initialized), ``unexpected_keys`` (unused), and
+    ``mismatched_keys`` and ``error_msgs`` (always empty: a mismatch raises).
 
     Args:
         model: An oslo model whose parameters have their local shapes (e.g. after ``to_empty``).
@@ -586,6 +588,7 @@ def load_checkpoint(
         logger.warning("Newly initialized (not in %s): %s", checkpoint.directory, missing)
     if unexpected and context.rank == 0:
         logger.warning("Unused weights of %s: %s", checkpoint.directory, unexpected)
+    return {"missing_keys": sorted(missing), "unexpected_keys": unexpected, "mismatched_keys": [], "error_msgs": []}
 
 
 def _load_local(model, checkpoint, init_missing, allow_vocab_resize) -> tuple[set[str], set[str], list[str]]:

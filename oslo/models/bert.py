@@ -621,7 +621,7 @@ class BertModel(StagedBody, BertPreTrainedModel):
                     output_attentions=state.output_attentions,
                     **state.kwargs,
                 )
-                if state.attentions is not None:
+                if state.attentions is not None and attn_weights is not None:  # sdpa has none: ()
                     state.attentions += (attn_weights,)
         return {"hidden_states": hidden_states}
 

@@ -287,7 +287,7 @@ class DecoderBody(StagedBody):
                     hidden_states, attention_mask=state.masks[kind], cache=state.cache,
                     output_attentions=state.output_attentions, **inputs,
                 )
-                if state.attentions is not None:
+                if state.attentions is not None and attn_weights is not None:  # sdpa has none: ()
                     state.attentions += (attn_weights,)
         return {"hidden_states": hidden_states}
 

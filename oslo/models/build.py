@@ -262,6 +262,7 @@ def from_pretrained_with_parallel(
     virtual_pipeline_size = validate_virtual_pipeline_size(virtual_pipeline_size, pp)
     dtype = resolve_dtype(dtype, torch_dtype)
     hub_options = {name: kwargs.pop(name) for name in hub.HUB_OPTIONS if name in kwargs}
+    loading = _transformers_loading_options(kwargs)
     path = os.fspath(pretrained_model_name_or_path)
     context = None
     if hub.is_hub_name(path):  # every rank resolves it together: the context comes first
@@ -269,6 +270,7 @@ def from_pretrained_with_parallel(
                                        virtual_pipeline_size)
     path = hub.resolve_checkpoint(path, context, **hub_options)
     checkpoint = ckpt.inspect_checkpoint(path)
+    _check_weights_format(checkpoint, loading.get("use_safetensors"))
     config, unused = load_config(cls, path, config, kwargs)
     if unused:
         raise TypeError(
@@ -287,14 +289,65 @@ def from_pretrained_with_parallel(
     if context is None:
         context = parallel_context_for(parallel_context, tp, pp, seed, timeout, sequence_parallel,
                                        virtual_pipeline_size)
+    _check_device_map(loading.get("device_map"), context)
     model = build_empty(cls, config, context, dtype, attn_implementation)
     model.set_micro_batch_size(micro_batch_size)
-    ckpt.load_checkpoint(
+    info = ckpt.load_checkpoint(
         model, checkpoint, model._seeded_local_init, allow_vocab_resize=resize_token_embeddings is not None
     )
     model.eval()
     distribute(model)
-    return model
+    return (model, info) if loading.get("output_loading_info") else model
+
+
+_TRANSFORMERS_LOADING = ("low_cpu_mem_usage", "use_safetensors", "device_map", "output_loading_info", "weights_only")
+
+
+def _transformers_loading_options(kwargs: dict) -> dict:
+    """Take transformers' ``from_pretrained`` loading options out of ``kwargs``: ``low_cpu_mem_usage`` (oslo always
+    reads only this rank's slices), ``use_safetensors``, ``device_map`` (the device oslo puts the rank on, or none),
+    ``output_loading_info`` (return ``(model, info)``) and ``weights_only`` (oslo reads pickled weights with
+    ``weights_only=True`` only)."""
+    options = {name: kwargs.pop(name) for name in _TRANSFORMERS_LOADING if name in kwargs}
+    if options.get("weights_only", True) is not True:
+        raise ValueError(
+            "weights_only=False: oslo reads pickled checkpoints (pytorch_model.bin) with torch.load(weights_only=True) "
+            "only, which never runs code from the file. Leave weights_only out, or convert the checkpoint to "
+            "safetensors."
+        )
+    return options
+
+
+def _check_weights_format(checkpoint, use_safetensors: bool | None) -> None:
+    """transformers' ``use_safetensors``: ``True`` requires safetensors files, ``False`` pickled ones."""
+    if use_safetensors is None:
+        return
+    safetensors = all(name.endswith(".safetensors") for name in checkpoint.files)
+    if bool(use_safetensors) != safetensors:
+        raise ValueError(
+            f"use_safetensors={use_safetensors}, but {checkpoint.directory} holds "
+            f"{'safetensors' if safetensors else 'pickled'} weights ({', '.join(checkpoint.files[:3])}"
+            f"{', ...' if len(checkpoint.files) > 3 else ''}): leave use_safetensors out to load them."
+        )
+
+
+def _check_device_map(device_map, context: ParallelContext) -> None:
+    """transformers' ``device_map``: oslo puts each rank's shard on the rank's device (the CPU, or
+    ``cuda:LOCAL_RANK``); a map naming that device (``"cpu"``, ``{"": "cpu"}``) is accepted, any other refused."""
+    if device_map is None:
+        return
+    target = device_map.get("") if isinstance(device_map, dict) and set(device_map) == {""} else device_map
+    try:
+        device = torch.device(target) if not isinstance(target, int) else torch.device("cuda", target)
+    except (TypeError, RuntimeError):
+        device = None
+    if device is None or device.type != context.device.type or (
+            device.index is not None and device.index != context.device.index):
+        raise ValueError(
+            f"device_map={device_map!r}: oslo places every rank's shard on the rank's own device ({context.device} "
+            "here) and cannot spread one rank's layers over devices. Leave device_map out (or move the model with "
+            ".to(...) after loading)."
+        )
 
 
 def load_config(

@@ -27,3 +27,44 @@ def test_what_a_loaded_model_reports(zoo_checkpoints, case):
     else:
         names = {module: name for name, module in model.named_modules()}
         assert names[ours] == next(name for name, module in reference.named_modules() if module is theirs)
+
+
+def test_transformers_loading_options(tmp_path):
+    """transformers' ``from_pretrained`` loading options: those that hold for oslo's loading are taken as they are
+    (``low_cpu_mem_usage``, ``use_safetensors=True``, ``device_map="cpu"``, ``weights_only=True``);
+    ``output_loading_info=True`` returns transformers' info (a new head's weights missing, an LM head unused);
+    those oslo cannot honor raise a ``ValueError`` naming the option."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=32, num_labels=3,
+                                     pad_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
+        tmp_path, low_cpu_mem_usage=True, use_safetensors=True, device_map="cpu", weights_only=True)
+    assert model.device.type == "cpu"
+    for name in ("GPT2ForSequenceClassification", "GPT2Model"):
+        _, expected = getattr(transformers, name).from_pretrained(tmp_path, output_loading_info=True)
+        loaded, info = getattr(oslo, name).from_pretrained_with_parallel(tmp_path, output_loading_info=True)
+        assert isinstance(loaded, getattr(oslo, name))
+        for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            assert sorted(info[key]) == sorted(expected[key]), (name, key, info[key], expected[key])
+    for option, value in (("use_safetensors", False), ("device_map", "auto"), ("device_map", {"transformer": 0}),
+                          ("weights_only", False)):
+        with pytest.raises(ValueError, match=option):
+            oslo.GPT2LMHeadModel.from_pretrained_with_parallel(tmp_path, **{option: value})
+
+
+@pytest.mark.parametrize("case", [case for case in zoo.all_cases() if case.anchor and case.arch != "gpt_neo"],
+                         ids=lambda case: case.arch)  # (GPT-Neo's attention is eager in transformers)
+def test_attentions_asked_of_sdpa(zoo_checkpoints, case):
+    """``output_attentions=True`` under sdpa, which computes no attention weights: every attentions field is what
+    transformers returns (an empty tuple), not a tuple of ``None``."""
+    path = f"{zoo_checkpoints(case.arch)}/{case.key}"
+    reference = getattr(transformers, case.name).from_pretrained(path).eval()
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(path).eval()
+    assert model.config._attn_implementation == reference.config._attn_implementation == "sdpa"
+    batch = case.batch()
+    expected, actual = reference(**batch, output_attentions=True), model(**batch, output_attentions=True)
+    fields = [key for key in expected if "attentions" in key]
+    assert fields, f"{case.name}: transformers returned no attentions field"
+    for key in fields:
+        assert isinstance(actual[key], tuple) and len(actual[key]) == len(expected[key]), (key, actual[key])
+    zoo.compare_outputs(actual, expected, case.name)

@@ -143,7 +143,7 @@ def save_checkpoints(root: str, arch: str) -> None:
 def _compare(actual, expected, what: str, **tolerance) -> None:
     if isinstance(expected, torch.Tensor):
         torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tolerance)
-    elif isinstance(expected, tuple) and expected and isinstance(expected[0], torch.Tensor):
+    elif isinstance(expected, tuple) and all(isinstance(item, torch.Tensor) for item in expected):  # () too
         assert isinstance(actual, tuple) and len(actual) == len(expected), f"{what}: {len(actual)} != {len(expected)}"
         for i, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
             torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"{what}[{i}]: {m}", **tolerance)
