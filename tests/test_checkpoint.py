@@ -426,3 +426,20 @@ def test_save_tensor_parallel_saves_as_if_never_split(zoo_checkpoints, tmp_path,
     expected = [_whole_cases()[name].key for name in WHOLE_CASES]
     results = run_distributed(_saved_whole, tp * pp, roots, tp, pp, str(tmp_path), timeout=240)
     assert results == [expected] * (tp * pp)
+
+
+def _save_with_transformers_options(rank, world_size, source, target):
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size)
+    # accelerate's is_main_process and the hub options' defaults, as a transformers script passes them
+    model.save_pretrained_with_parallel(target, save_with_merging=True, is_main_process=rank == 0,
+                                        push_to_hub=False, token=None, variant=None)
+    with pytest.raises(ValueError, match="upload_folder"):
+        model.save_pretrained_with_parallel(target, push_to_hub=True)
+    return True
+
+
+def test_save_takes_transformers_options(lm_checkpoint, tmp_path):
+    """``is_main_process`` (every rank saves all the same), ``push_to_hub=False``, ``token``, ``variant=None`` are
+    taken; an upload is refused with the way to do it. The merged save is transformers' weights."""
+    assert run_distributed(_save_with_transformers_options, 2, lm_checkpoint, str(tmp_path)) == [True, True]
+    torch.testing.assert_close(_reference_logits(str(tmp_path)), _reference_logits(lm_checkpoint))

@@ -886,6 +886,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         safe_serialization: bool | None = None,
         max_shard_size: int | str = "5GB",
         save_function: Callable[[dict, str], None] | None = None,
+        is_main_process: bool = True,
+        push_to_hub: bool = False,
+        variant: str | None = None,
+        token: str | bool | None = None,
     ) -> None:
         """Save a split or a merged checkpoint. Call it on every rank.
 
@@ -910,7 +914,18 @@ class OsloPreTrainedModel(PreTrainedModel):
             save_function: ``save_function(tensors, path)`` writes each ``.bin`` weight file instead of
                 ``torch.save`` (as in transformers' ``save_pretrained``); it implies
                 ``safe_serialization=False``.
+            is_main_process: transformers' flag (``accelerator.is_main_process``, say), taken and not needed:
+                every rank calls this save and oslo picks the ranks that write.
+            push_to_hub, variant, token: transformers' options; only their defaults are taken (a ``ValueError``
+                otherwise): save, then upload the directory with ``huggingface_hub``'s ``upload_folder``.
         """
+        del is_main_process, token  # every rank saves together; nothing is uploaded
+        if push_to_hub or variant is not None:
+            raise ValueError(
+                f"save_pretrained_with_parallel does not take push_to_hub={push_to_hub!r} or variant={variant!r}: it "
+                "writes the weights under transformers' default names, on this machine. Save, then upload the "
+                "directory with huggingface_hub.upload_folder(folder_path=..., repo_id=...) from one process."
+            )
         if save_function is not None:
             if safe_serialization:
                 raise ValueError(
@@ -940,8 +955,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         Args:
             save_directory: Target directory (created if needed).
             merge_checkpoints: Write a merged (plain transformers) checkpoint instead of a split one.
-            **kwargs: ``save_config``, ``safe_serialization``, ``max_shard_size`` and ``save_function``, as for
-                :meth:`save_pretrained_with_parallel`.
+            **kwargs: ``save_config``, ``safe_serialization``, ``max_shard_size``, ``save_function`` and transformers'
+                ``is_main_process``, as for :meth:`save_pretrained_with_parallel`.
         """
         self.save_pretrained_with_parallel(save_directory, save_with_merging=merge_checkpoints, **kwargs)
 
