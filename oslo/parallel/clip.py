@@ -12,6 +12,46 @@ from oslo.parallel.dtensor import plain
 from oslo.parallel.plan import parameter_specs
 
 
+class _LayersGroup:
+    """What clipping reads of a parallel context, for a module of the user's built from oslo's layers (which keep
+    their tensor-parallel group, not the context): that group is the model-parallel group (no pipeline)."""
+
+    def __init__(self, group) -> None:
+        self.model_parallel_group = group
+        self.world_size = dist.get_world_size(group)
+        self.tensor_parallel_rank = dist.get_rank(group)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                       else torch.device("cpu"))
+
+
+def _parallel_context_of(model: nn.Module):
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"clip_grad_norm_ takes the model (its modules say which parameters are split across ranks), got "
+            f"{type(model).__name__}: call clip_grad_norm_(model, max_norm), not clip_grad_norm_(model.parameters(), "
+            "max_norm)."
+        )
+    context = getattr(model, "parallel_context", None)
+    if context is not None:
+        return context
+    groups = {id(module.group): module.group for module in model.modules()
+              if hasattr(module, "parallel_specs") and getattr(module, "group", None) is not None}
+    if len(groups) > 1:
+        raise ValueError(
+            f"{type(model).__name__} holds oslo layers of {len(groups)} different tensor-parallel groups: clipping "
+            "needs one. Build its layers with one parallel_context (and set model.parallel_context to it)."
+        )
+    # No split layer: every rank holds the whole model, and its norm is this process's.
+    return _LayersGroup(next(iter(groups.values()))) if groups else _ONE_PROCESS
+
+
+class _OneProcess:
+    model_parallel_group, world_size, tensor_parallel_rank, device = None, 1, 0, torch.device("cpu")
+
+
+_ONE_PROCESS = _OneProcess()
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of a parallelized model in place, like ``torch.nn.utils.clip_grad_norm_``.
 
@@ -20,14 +60,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     pipeline stages add their parameters. Every rank gets the same total norm and scale.
 
     Args:
-        model: An oslo model (it carries its ``parallel_context``).
+        model: An oslo model (it carries its ``parallel_context``), or a module of your own built from oslo's
+            layers (their tensor-parallel group is read from them; without a pipeline).
         max_norm: Maximum norm of the gradients.
         norm_type: Order of the norm; ``float("inf")`` for the max norm.
 
     Returns:
         The total norm of the gradients before clipping (a float32 scalar tensor).
     """
-    context = model.parallel_context
+    context = _parallel_context_of(model)
     norm_type = float(norm_type)
     specs = parameter_specs(model)
     # A weight tied across pipeline stages (GPT2's lm_head on the last stage, twin of wte on the first)

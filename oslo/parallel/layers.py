@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -147,9 +148,18 @@ def _embedding(local_ids: torch.Tensor, outside: torch.Tensor | None, weight: to
     return _lookup(local_ids, outside, weight, padding_idx)
 
 
-def _tensor_parallel(parallel_context: ParallelContext | None) -> tuple[object, int, int]:
-    """(group, size, rank) of the tensor-parallel group; a single rank without a context."""
+def _tensor_parallel(parallel_context: ParallelContext | None, layer: nn.Module) -> tuple[object, int, int]:
+    """(group, size, rank) of the tensor-parallel group; a single rank without a context (with a warning when
+    torch.distributed has several: a layer built without the context is whole on every rank)."""
     if parallel_context is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(
+                f"{type(layer).__name__} was built without parallel_context while torch.distributed runs "
+                f"{dist.get_world_size()} processes: it holds its whole weight on every rank (tensor_parallel_size "
+                "1). Pass parallel_context=ParallelContext(tensor_parallel_size=...) (or the model's "
+                "model.parallel_context) to split it.",
+                stacklevel=3,
+            )
         return None, 1, 0
     return (parallel_context.tensor_parallel_group, parallel_context.tensor_parallel_size,
             parallel_context.tensor_parallel_rank)
@@ -189,7 +199,7 @@ class ColumnParallelLinear(_SharedOnCopy, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group, world, rank = _tensor_parallel(parallel_context)
+        self.group, world, rank = _tensor_parallel(parallel_context, self)
         self.sequence = None  # a block's layer under sequence parallelism: see oslo.parallel.sequence
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.transposed = gather_output, transposed
@@ -275,7 +285,7 @@ class RowParallelLinear(_SharedOnCopy, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group, world, rank = _tensor_parallel(parallel_context)
+        self.group, world, rank = _tensor_parallel(parallel_context, self)
         self.sequence = None  # a block's layer under sequence parallelism: see oslo.parallel.sequence
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.transposed = input_is_parallel, transposed
@@ -338,7 +348,7 @@ class VocabParallelEmbedding(_SharedOnCopy, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.group, world, rank = _tensor_parallel(parallel_context)
+        self.group, world, rank = _tensor_parallel(parallel_context, self)
         self.embedding_dim = embedding_dim
         self.single_rank = world == 1
         self.padding_idx = padding_idx
@@ -398,7 +408,7 @@ class ColumnParallelEmbedding(_SharedOnCopy, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _, world, rank = _tensor_parallel(parallel_context)
+        _, world, rank = _tensor_parallel(parallel_context, self)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight_spec = ShardSpec(COLUMN, 1, embedding_dim, world, rank)
         self.parallel_specs = {"weight": self.weight_spec}

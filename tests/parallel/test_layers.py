@@ -3,9 +3,11 @@ the vocab-parallel loss against F.cross_entropy, and the per-block collective co
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import oslo
 from oslo.parallel import (
@@ -14,6 +16,7 @@ from oslo.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    clip_grad_norm_,
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -144,3 +147,45 @@ def test_megatron_minimum_collectives():
         forward, backward = run_distributed(_count_collectives, 2, tiny_gpt2_config(n_layer=layers))[0]
         assert forward == {"all_reduce": 2 * layers + 1 + 2, "other": 1}
         assert backward == {"all_reduce": 2 * layers + 1, "other": 0}
+
+
+class _OwnMLP(nn.Module):
+    def __init__(self, context=None):
+        super().__init__()
+        self.up = ColumnParallelLinear(16, 64, parallel_context=context)
+        self.down = RowParallelLinear(64, 16, parallel_context=context)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _clip_a_module_of_ones_own(rank, world_size):
+    context = ParallelContext(tensor_parallel_size=world_size)
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    ours = _OwnMLP(context)
+    for layer, source in ((ours.up, whole[0]), (ours.down, whole[2])):
+        for name, param in layer.named_parameters():
+            spec = layer.parallel_specs.get(name)
+            whole_param = getattr(source, name)
+            with torch.no_grad():
+                param.copy_(whole_param if spec is None else spec.slice_of(whole_param))
+    x = torch.randn(4, 16)
+    ours(x).square().sum().backward()
+    whole(x).square().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), 0.5)
+    torch.testing.assert_close(clip_grad_norm_(ours, 0.5), expected)
+    torch.testing.assert_close(ours.up.weight.grad, ours.up.parallel_specs["weight"].slice_of(whole[0].weight.grad))
+    with pytest.raises(TypeError, match=r"clip_grad_norm_\(model, max_norm\), not"):
+        clip_grad_norm_(ours.parameters(), 1.0)
+    with pytest.warns(UserWarning, match="built without parallel_context while torch.distributed runs 2"):
+        unsplit = _OwnMLP()
+    assert unsplit.up.weight.shape == (64, 16)
+    return True
+
+
+def test_clip_and_layers_in_a_module_of_ones_own():
+    """``clip_grad_norm_`` on a module of the user's built from oslo's layers (no ``parallel_context`` attribute)
+    gives torch's norm of the unsplit module and clips alike; its parameters instead of it are refused, saying how
+    to call it; a layer built without ``parallel_context`` among several processes warns that it is whole."""
+    assert run_distributed(_clip_a_module_of_ones_own, 2) == [True, True]
