@@ -80,11 +80,12 @@ class JsonlSource:
     def __init__(self, path: str | os.PathLike, json_key: str = "text") -> None:
         self.path = os.fspath(path)
         self.json_key = json_key
+        if not os.path.isfile(self.path) and os.path.isfile(self.path + ".jsonl"):
+            self.path += ".jsonl"  # a corpus named without its extension, as OSLO's manual names them
         if not os.path.isfile(self.path):
-            hint = " (did you mean the .jsonl file itself?)" if os.path.isfile(self.path + ".jsonl") else ""
             raise FileNotFoundError(
-                f"JSON-lines file '{self.path}' does not exist{hint}; pass the path of an existing "
-                ".jsonl file to open_jsonl."
+                f"JSON-lines file '{self.path}' does not exist (nor '{self.path}.jsonl'); pass the path of an "
+                "existing .jsonl file to open_jsonl."
             )
         # Check the first record now, so a wrong json_key fails before any work starts.
         with open(self.path, encoding="utf-8") as stream:
@@ -310,7 +311,7 @@ class DatasetPreprocessor:
         """Open a JSON-lines corpus (one ``{"text": ...}`` object per line) for :meth:`preprocess`.
 
         Args:
-            path: the ``.jsonl`` file.
+            path: the ``.jsonl`` file (or its path without the extension, as OSLO's manual names corpora).
             json_key: field that holds each document's text.
 
         Returns:

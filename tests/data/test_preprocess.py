@@ -53,6 +53,8 @@ def test_txt_and_jsonl_sources(tmp_path, tokenizer, documents):
     assert _stored(str(tmp_path / "txt")) == expected
     assert _stored(str(tmp_path / "jsonl")) == expected
     assert list(jsonl) == documents[:50]
+    # named without its extension, as OSLO's manual names its corpora
+    assert list(preprocessor.open_jsonl(str(tmp_path / "c"), json_key="text")) == documents[:50]
 
 
 def test_spawn_start_method(tmp_path, tokenizer, documents):
