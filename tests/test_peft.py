@@ -1167,7 +1167,10 @@ def test_an_adapter_of_a_bfloat16_model_trains_in_float32(method, name, layout, 
 
 DDP_ADAPTERS = {"lora": ("GPT2LMHeadModel", lambda: peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"],
                                                                      init_lora_weights=False)),
-                "loha": ("LlamaForCausalLM", lambda: LYCORIS["loha"](target_modules=["q_proj", "o_proj", "down_proj"]))}
+                "loha": ("LlamaForCausalLM", lambda: LYCORIS["loha"](target_modules=["q_proj", "o_proj", "down_proj"])),
+                # trained copies of a split layer and of a replicated one (PEFT deep-copies them)
+                "lora-modules-to-save": ("GPT2LMHeadModel", lambda: peft.LoraConfig(
+                    r=4, target_modules=["c_attn"], modules_to_save=["c_fc", "ln_f"], init_lora_weights=False))}
 
 
 def _ddp_trained(rank, world_size, path, tensor_parallel_size, method):
@@ -1203,10 +1206,11 @@ def _ddp_trained(rank, world_size, path, tensor_parallel_size, method):
 def test_an_adapter_trains_under_ddp_as_in_one_process(tmp_path, method):
     """The manual's data-parallel loop (``DistributedDataParallel(model.gpu_modules(), ...)``) on a PEFT model at
     tp=2 with two replicas, each on its rows: the frozen base weights take no gradient hooks (registering one
-    raised), and the trained adapter is the one one process trains on the global batch."""
+    raised), and the trained adapter (with ``modules_to_save``, the trained copies too) is the one one process
+    trains on the global batch."""
     from tests.helpers import save_reference, tiny_gpt2_config
 
-    if method == "lora":
+    if DDP_ADAPTERS[method][0] == "GPT2LMHeadModel":
         save_reference(transformers.GPT2LMHeadModel, tiny_gpt2_config(), tmp_path)
     else:  # the same vocabulary (the batches' ids)
         save_reference(transformers.LlamaForCausalLM, transformers.LlamaConfig(

@@ -849,6 +849,12 @@ def relink_storages(module: nn.Module) -> None:
     for dt in module.parameters():
         if isinstance(dt, DTensor) and hasattr(dt, "_oslo_storage"):
             _view_storage(dt)
+            # nn.Parameter's deepcopy keeps no attribute: the copied storage learns again whose it is, and its
+            # Megatron attributes (DDP and DeepSpeed train the storages: model.gpu_modules())
+            storage = dt._oslo_storage
+            storage._oslo_dtensor = dt
+            for name, value in _megatron_attributes(dt._oslo_spec).items():
+                setattr(storage, name, value)
 
 
 class _PlainLeaves(nn.Module):
