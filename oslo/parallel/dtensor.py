@@ -44,6 +44,7 @@ import torch
 import torch.distributed.checkpoint.state_dict as _dcp_state_dict
 import torch.nn.utils.clip_grad as _clip_grad
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -53,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.data_parallel import refuse_dtensor_parameters
 from oslo.parallel.mappings import copy_many_to_tensor_parallel
-from oslo.parallel.plan import VOCAB, ShardSpec, parameter_specs
+from oslo.parallel.plan import COLUMN, VOCAB, ShardSpec, parameter_specs
 
 __all__ = [
     "device_mesh",
@@ -697,6 +698,37 @@ def _fsdp_sees_blocks(init):
     return init_with_blocks
 
 
+def _strided_as_blocks(value):
+    """A DTensor strided-sharded on a 1-D mesh (a fused parameter of a plain ``model.state_dict()``, its optimizer
+    moments) as DCP can save it: the blocks view of :func:`_as_blocks`, same memory; anything else as it is."""
+    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
+        return value
+    placement = value.placements[0]
+    if not isinstance(placement, _StridedShard):
+        return value
+    dim, chunks = placement.dim, placement.split_factor
+    if value.shape[dim] % chunks or value._local_tensor.size(dim) % chunks:
+        return value
+    mesh = value.device_mesh
+    spec = ShardSpec(COLUMN, dim, value.shape[dim], mesh.size(), mesh.get_local_rank(), chunks)
+    return _as_blocks(value, spec, value.dim())
+
+
+def _planner_sees_blocks(set_up_planner):
+    """DCP's default save and load planners with every strided-sharded DTensor of the (flattened) state dict seen as
+    blocks: ``dcp.save({"model": model.state_dict()})`` writes a split GPT2 as torch's state-dict functions show it
+    (``get_state_dict``), and ``dcp.load`` fills the views, so the same files load either way."""
+
+    @functools.wraps(set_up_planner)
+    def set_up_with_blocks(self, *args, **kwargs):
+        set_up_planner(self, *args, **kwargs)
+        if isinstance(self.state_dict, dict):
+            self.state_dict = {key: _strided_as_blocks(value) for key, value in self.state_dict.items()}
+
+    set_up_with_blocks._oslo_blocks = True
+    return set_up_with_blocks
+
+
 def install_torch_hooks() -> None:
     """The places where oslo adjusts torch's stock tools to oslo models (installed once, by the first oslo
     model; other models and tensors pass through unchanged)."""
@@ -712,6 +744,9 @@ def install_torch_hooks() -> None:
     if all(f is not None for f in functions) and not getattr(functions[0], "_oslo_blocks", False):
         for name, function in zip(names, _fused_as_blocks(*functions), strict=True):
             setattr(_dcp_state_dict, name, function)
+    for planner in (DefaultSavePlanner, DefaultLoadPlanner):
+        if not getattr(planner.set_up_planner, "_oslo_blocks", False):
+            planner.set_up_planner = _planner_sees_blocks(planner.set_up_planner)
     try:  # (FSDP2's parameter class is private: a torch without it has nothing to adjust)
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     except ImportError:

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import oslo
@@ -261,3 +266,46 @@ def test_dcp_recipe_resumes_a_peft_adapter(checkpoint, tmp_path):
         assert sorted(actual) == sorted(expected)
         for name, value in actual.items():
             torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _plain_state_dicts(rank, world_size, path, directory, save, tp):
+    """``dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})`` after a step at tp=2 (GPT2's
+    strided ``c_attn`` included), then, with ``save=False``, ``dcp.load`` into a fresh model's own state dicts at
+    ``tp`` and ``load_state_dict``: the weights and the Adam moments are the saved ones; torch's state-dict functions
+    (``get_model_state_dict``) read the same files."""
+    model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+    optimizer, _ = optimizer_and_schedule(model.parameters())
+    model(**batch(0)).loss.backward()
+    optimizer.step()
+    if save:
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=directory)
+        return full_params(model)
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.5)  # unlike the saved weights
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    loaded = full_params(model)
+    moments = {name: optimizer.state[param]["exp_avg"].full_tensor() for name, param in model.named_parameters()}
+    again = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
+    model_state = get_model_state_dict(again)
+    dcp.load({"model": model_state}, checkpoint_id=directory)
+    set_model_state_dict(again, model_state)
+    return loaded, moments, full_params(again)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plain_state_dicts_through_dcp(checkpoint, tmp_path, tp):
+    saved, = run_distributed(_plain_state_dicts, 2, checkpoint, str(tmp_path), True, 2)[:1]
+    loaded, moments, through_torch = run_distributed(_plain_state_dicts, tp, checkpoint, str(tmp_path), False, tp)[0]
+    model = transformers.GPT2LMHeadModel.from_pretrained(checkpoint).train()
+    optimizer, _ = optimizer_and_schedule(model.parameters())
+    model(**batch(0)).loss.backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(through_torch[name], saved[name], rtol=0, atol=0)
+        torch.testing.assert_close(moments[name], optimizer.state[param]["exp_avg"], msg=lambda m, n=name: f"{n}: {m}")
