@@ -299,6 +299,13 @@ def fused_bias_dropout_add_pays(x: torch.Tensor, p: float, training: bool) -> bo
     return use_triton(x, rows=x.numel() // max(x.shape[-1], 1))
 
 
+def adds_residual(module: nn.Module, x: torch.Tensor, dropout: nn.Dropout) -> bool:
+    """Whether a block hands the residual to ``module`` (an attention or an MLP whose ``fuse()`` set ``fused``) for
+    the module to add in :func:`bias_dropout_add`: :func:`fused_bias_dropout_add_pays` on the rows of ``x``.
+    Otherwise the block adds it, and the module's output is transformers' (forward hooks see the same values)."""
+    return bool(getattr(module, "fused", False)) and fused_bias_dropout_add_pays(x, dropout.p, module.training)
+
+
 def bias_dropout_add(
     x: torch.Tensor,
     bias: torch.Tensor | None,

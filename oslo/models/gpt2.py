@@ -33,10 +33,10 @@ from transformers.models.gpt2.modeling_gpt2 import (
 
 from oslo.kernels import (
     bias_dropout_add,
-    fused_bias_dropout_add_pays,
     gelu_approximation_for_activation,
     scaled_masked_softmax,
 )
+from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import BodyState, DecoderBody, LearnedPositions
 from oslo.models.compat import accepts_legacy_cache_name
@@ -108,13 +108,14 @@ class GPT2Attention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
         cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
+        residual: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
+        """Return the attention's output (transformers': after ``c_proj`` and its dropout) and the attention weights
+        (all heads); with ``residual``, ``residual + `` that output (in oslo's kernel, where a fused block uses it)."""
         query, key, value = self.c_attn(hidden_states).chunk(3, dim=-1)  # 3 x (B, T, nh_local * hs)
         batch, length = query.shape[:2]  # the whole sequence (gathered under sequence parallelism)
         query = query.view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
@@ -138,13 +139,15 @@ class GPT2Attention(nn.Module):
                     self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
                 )
         attn_output = attn_output.reshape(batch, length, -1).contiguous()  # (B, T, nh_local * hs)
-        if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
+        if residual is not None and adds_residual(self, attn_output, self.resid_dropout):
             out = self.c_proj(attn_output, skip_bias_add=True)
             with dropout_stream(self.resid_dropout):
                 hidden_states = bias_dropout_add(out, added_bias(self.c_proj), residual, self.resid_dropout.p,
                                                  self.training)
         else:
-            hidden_states = residual + self.resid_dropout(self.c_proj(attn_output))
+            hidden_states = self.resid_dropout(self.c_proj(attn_output))
+            if residual is not None:
+                hidden_states = residual + hidden_states
 
         if output_attentions and attn_weights is not None:
             attn_weights = gather_from_tensor_parallel(attn_weights, self.tensor_parallel_group, dim=1)
@@ -182,17 +185,19 @@ class GPT2MLP(nn.Module):
         self.gelu_approximation = gelu_approximation_for_activation(self.activation_function)
         self.fused = True
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Return ``residual + mlp(hidden_states)``."""
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Return ``mlp(hidden_states)`` (transformers' output); with ``residual``, ``residual + mlp(hidden_states)``
+        (in oslo's kernel, where a fused block uses it)."""
         if self.fused:  # torch's one-kernel GeLU; the matmul adds the bias (measured faster than bias_gelu)
             hidden_states = F.gelu(self.c_fc(hidden_states), approximate=self.gelu_approximation)
         else:
             hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
-        if self.fused and fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
+        if residual is not None and adds_residual(self, hidden_states, self.dropout):
             out = self.c_proj(hidden_states, skip_bias_add=True)  # (B, T, C)
             with dropout_stream(self.dropout):
                 return bias_dropout_add(out, added_bias(self.c_proj), residual, self.dropout.p, self.training)
-        return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+        hidden_states = self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+        return hidden_states if residual is None else residual + hidden_states
 
 
 class GPT2Block(GradientCheckpointingLayer):
@@ -215,16 +220,23 @@ class GPT2Block(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_states, attn_weights = self.attn(
-            self.ln_1(hidden_states),
-            residual=hidden_states,
+        # The residual is added here, as in transformers (hooks on attn and mlp see their outputs), or by the module
+        # itself where its fused bias + dropout + residual kernel pays.
+        normed = self.ln_1(hidden_states)
+        fused = adds_residual(self.attn, normed, self.attn.resid_dropout)
+        attn_output, attn_weights = self.attn(
+            normed,
             cache=cache,
             attention_mask=attention_mask,
             output_attentions=output_attentions,
+            residual=hidden_states if fused else None,
             **kwargs,
         )
-        hidden_states = self.mlp(self.ln_2(hidden_states), residual=hidden_states)
-        return hidden_states, attn_weights
+        hidden_states = attn_output if fused else hidden_states + attn_output
+        normed = self.ln_2(hidden_states)
+        if adds_residual(self.mlp, normed, self.mlp.dropout):
+            return self.mlp(normed, residual=hidden_states), attn_weights
+        return hidden_states + self.mlp(normed), attn_weights
 
 
 class GPT2PreTrainedModel(OsloPreTrainedModel):

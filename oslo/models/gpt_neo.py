@@ -38,9 +38,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from oslo.kernels import (
     HF_GELU_APPROXIMATIONS,
     bias_dropout_add,
-    fused_bias_dropout_add_pays,
     scaled_masked_softmax,
 )
+from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
 from oslo.models.body import DecoderBody, LearnedPositions
 from oslo.models.compat import LEGACY_CACHE_NAME, accepts_legacy_cache_name
@@ -112,12 +112,14 @@ class GPTNeoSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
         cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``residual + attention(hidden_states)`` and the attention weights (all heads)."""
+        """Return the attention's output (transformers': after ``out_proj`` and its dropout) and the attention
+        weights (all heads); with ``residual``, ``residual + `` that output (in oslo's kernel, where a fused block
+        uses it)."""
         # One entry into the tensor-parallel region for q, k and v: one collective backward, not three.
         shared = enter_tensor_parallel(hidden_states, self.tensor_parallel_group, self.sequence)
         batch, length, _ = shared.shape  # the whole sequence (gathered under sequence parallelism)
@@ -150,13 +152,15 @@ class GPTNeoSelfAttention(nn.Module):
                     probs = self.attn_dropout(probs)
             attn_output = (probs @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh_local * hs)
 
-        if self.fused and fused_bias_dropout_add_pays(attn_output, self.resid_dropout.p, self.training):
+        if residual is not None and adds_residual(self, attn_output, self.resid_dropout):
             out = self.out_proj(attn_output, skip_bias_add=True)
             with dropout_stream(self.resid_dropout):
                 hidden_states = bias_dropout_add(out, added_bias(self.out_proj), residual, self.resid_dropout.p,
                                                  self.training)
         else:
-            hidden_states = self.resid_dropout(self.out_proj(attn_output)) + residual
+            hidden_states = self.resid_dropout(self.out_proj(attn_output))
+            if residual is not None:
+                hidden_states = hidden_states + residual
 
         weights = None
         if output_attentions:
@@ -230,8 +234,8 @@ class GPTNeoAttention(nn.Module):
     def fused(self) -> bool:
         return self.attention.fused
 
-    def forward(self, hidden_states, residual, cache=None, attention_mask=None, output_attentions=False):
-        return self.attention(hidden_states, residual, cache, attention_mask, output_attentions)
+    def forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, residual=None):
+        return self.attention(hidden_states, cache, attention_mask, output_attentions, residual=residual)
 
 
 class GPTNeoMLP(nn.Module):
@@ -254,20 +258,19 @@ class GPTNeoMLP(nn.Module):
         self.gelu_approximation = HF_GELU_APPROXIMATIONS.get(self.activation_function)
         self.fused = True
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Return ``residual + mlp(hidden_states)``."""
-        if not self.fused:
-            hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
-            return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
-        if self.gelu_approximation is not None:  # torch's one-kernel GeLU; the matmul adds the bias
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Return ``mlp(hidden_states)`` (transformers' output); with ``residual``, ``residual + mlp(hidden_states)``
+        (in oslo's kernel, where a fused block uses it)."""
+        if self.fused and self.gelu_approximation is not None:  # torch's one-kernel GeLU; the matmul adds the bias
             hidden_states = F.gelu(self.c_fc(hidden_states), approximate=self.gelu_approximation)
         else:
-            hidden_states = self.act(self.c_fc(hidden_states))
-        if not fused_bias_dropout_add_pays(hidden_states, self.dropout.p, self.training):
-            return residual + self.dropout(self.c_proj(hidden_states))  # (B, T, C)
-        out = self.c_proj(hidden_states, skip_bias_add=True)
-        with dropout_stream(self.dropout):
-            return bias_dropout_add(out, added_bias(self.c_proj), residual, self.dropout.p, self.training)
+            hidden_states = self.act(self.c_fc(hidden_states))  # (B, T, inner_local)
+        if residual is not None and adds_residual(self, hidden_states, self.dropout):
+            out = self.c_proj(hidden_states, skip_bias_add=True)
+            with dropout_stream(self.dropout):
+                return bias_dropout_add(out, added_bias(self.c_proj), residual, self.dropout.p, self.training)
+        hidden_states = self.dropout(self.c_proj(hidden_states))  # (B, T, C)
+        return hidden_states if residual is None else residual + hidden_states
 
 
 class GPTNeoBlock(GradientCheckpointingLayer):
@@ -290,15 +293,22 @@ class GPTNeoBlock(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_states, attn_weights = self.attn(
-            self.ln_1(hidden_states),
-            residual=hidden_states,
+        # The residual is added here, as in transformers (hooks on attn and mlp see their outputs), or by the module
+        # itself where its fused bias + dropout + residual kernel pays.
+        normed = self.ln_1(hidden_states)
+        fused = adds_residual(self.attn.attention, normed, self.attn.attention.resid_dropout)
+        attn_output, attn_weights = self.attn(
+            normed,
             cache=cache,
             attention_mask=attention_mask,
             output_attentions=output_attentions,
+            residual=hidden_states if fused else None,
         )
-        hidden_states = self.mlp(self.ln_2(hidden_states), residual=hidden_states)
-        return hidden_states, attn_weights
+        hidden_states = attn_output if fused else attn_output + hidden_states
+        normed = self.ln_2(hidden_states)
+        if adds_residual(self.mlp, normed, self.mlp.dropout):
+            return self.mlp(normed, residual=hidden_states), attn_weights
+        return hidden_states + self.mlp(normed), attn_weights
 
 
 class GPTNeoPreTrainedModel(OsloPreTrainedModel):

@@ -6,6 +6,7 @@ transformers class loaded from the same checkpoint: ``name_or_path``, ``num_para
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 import oslo
@@ -68,3 +69,44 @@ def test_attentions_asked_of_sdpa(zoo_checkpoints, case):
     for key in fields:
         assert isinstance(actual[key], tuple) and len(actual[key]) == len(expected[key]), (key, actual[key])
     zoo.compare_outputs(actual, expected, case.name)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neo", "llama"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_submodules_are_transformers_modules(zoo_checkpoints, arch, fused):
+    """A block's attention and MLP compute what transformers' do (the block adds the residual): forward hooks on
+    them see transformers' values, an ablation hook zeroing one changes the logits as it does there, and a direct
+    call ``block.mlp(x)`` returns transformers' MLP output; also after ``fuse()``."""
+    case = next(case for case in zoo.all_cases() if case.arch == arch and case.anchor)
+    path = f"{zoo_checkpoints(arch)}/{case.key}"
+    reference = getattr(transformers, case.name).from_pretrained(path).eval()
+    model = getattr(oslo, case.name).from_pretrained_with_parallel(path).eval()
+    if fused:
+        model.fuse()
+    blocks = {"llama": lambda m: m.model.layers[0]}.get(arch, lambda m: m.transformer.h[0])
+    attention = {"llama": "self_attn"}.get(arch, "attn")
+    batch = {k: v for k, v in case.batch().items() if k in ("input_ids", "attention_mask")}
+    seen = {}
+
+    def record(key):
+        def hook(module, args, output):
+            seen[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    for tag, net in (("theirs", reference), ("ours", model)):
+        block = blocks(net)
+        handles = [getattr(block, attention).register_forward_hook(record((tag, "attn"))),
+                   block.mlp.register_forward_hook(record((tag, "mlp")))]
+        with torch.no_grad():
+            seen[(tag, "logits")] = net(**batch).logits
+        for handle in handles:
+            handle.remove()
+        handle = block.mlp.register_forward_hook(lambda module, args, output: torch.zeros_like(output))
+        with torch.no_grad():
+            seen[(tag, "ablated")] = net(**batch).logits
+        handle.remove()
+    for key in ("attn", "mlp", "logits", "ablated"):
+        torch.testing.assert_close(seen[("ours", key)], seen[("theirs", key)], msg=lambda m, k=key: f"{k}: {m}")
+    x = torch.randn(2, 5, reference.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(blocks(model).mlp(x), blocks(reference).mlp(x))

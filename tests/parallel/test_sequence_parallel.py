@@ -256,8 +256,10 @@ def _fused_residuals(record: list) -> None:
         return out
 
     for module in (gpt2, gpt_neo, bert):
-        module.fused_bias_dropout_add_pays = lambda x, p, training: True
         module.bias_dropout_add = recorded
+    bert.fused_bias_dropout_add_pays = lambda x, p, training: True
+    for module in (gpt2, gpt_neo):  # their blocks hand the residual to every fused attention and MLP
+        module.adds_residual = lambda layer, x, dropout: layer.fused
 
 
 def _no_loss_from_padding(case: zoo.Case) -> zoo.Case:
