@@ -48,12 +48,16 @@ def active_data_parallel_wrapper(context: ParallelContext) -> DistributedDataPar
 
 
 def refuse_dtensor_parameters(init):
-    """``DistributedDataParallel.__init__`` with a clear error, before any collective, for an oslo model whose
-    parameters are DTensors (several processes), which DDP cannot reduce: it would fail inside DTensor's dispatch
-    ("Cannot flatten unevenly sharded tensor"), and accelerate's ``prepare`` reaches it too."""
+    """``DistributedDataParallel.__init__`` with ``model.gpu_modules()``'s storages frozen as the model's weights are,
+    and a clear error, before any collective, for an oslo model whose parameters are DTensors (several processes),
+    which DDP cannot reduce: it would fail inside DTensor's dispatch ("Cannot flatten unevenly sharded tensor"), and
+    accelerate's ``prepare`` reaches it too."""
 
     @functools.wraps(init)
     def checked(self, module, *args, **kwargs):
+        before_wrap = getattr(module, "_oslo_before_wrap", None)  # model.gpu_modules(): its storages as the model says
+        if callable(before_wrap):
+            before_wrap()
         if getattr(module, "parallel_context", None) is not None and hasattr(module, "gpu_modules"):
             ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
             if any(isinstance(param, DTensor) for name, param in module.named_parameters() if name not in ignored):

@@ -907,6 +907,14 @@ class _PlainLeaves(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def _oslo_before_wrap(self) -> None:
+        """Called as ``DistributedDataParallel`` wraps this module: weights frozen (or unfrozen) on the model since
+        ``gpu_modules()`` are so on the storages DDP registers now (they follow at each call otherwise, too late
+        for DDP, which would wait for gradients that never come)."""
+        for dt in self.module.parameters():
+            if isinstance(dt, DTensor) and getattr(dt, "_oslo_plain_leaf", False):
+                _sync_plain_leaf(dt)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         # Its own parameters only, the plain shards: not the model's DTensors (DDP skips those by the ignore
         # list; an optimizer over model_ddp.parameters() must not see each weight twice).

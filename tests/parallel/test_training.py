@@ -28,11 +28,18 @@ def _global_batch(steps=3, batch=4, length=10):
     return [torch.randint(3, 1001, (batch, length), generator=generator) for _ in range(steps)]
 
 
-def _train(rank, world_size, path, tp):
+FROZEN = "transformer.h.0."
+
+
+def _train(rank, world_size, path, tp, freeze=False):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp)
     model.train()
     mpu = model.mpu
-    ddp = DistributedDataParallel(model.gpu_modules(), process_group=mpu.get_data_parallel_group())
+    wrapped = model.gpu_modules()
+    if freeze:  # after gpu_modules(), before DDP: DDP registers the weights the model says train
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.startswith(FROZEN))
+    ddp = DistributedDataParallel(wrapped, process_group=mpu.get_data_parallel_group())
     # SGD: Adam would amplify float rounding in near-zero gradients into visible update differences.
     optimizer = torch.optim.SGD(model.gpu_parameters(), lr=0.5)
     dp_size, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -50,9 +57,11 @@ def _train(rank, world_size, path, tp):
     return losses, full_params(model)
 
 
-def _train_reference(path):
+def _train_reference(path, freeze=False):
     model = transformers.GPT2LMHeadModel.from_pretrained(path)
     model.train()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (freeze and name.startswith(FROZEN)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for batch in _global_batch():
@@ -66,9 +75,12 @@ def _train_reference(path):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_tp2_dp2_equals_single_process(lm_checkpoint):
-    results = run_distributed(_train, 4, lm_checkpoint, 2, timeout=180)
-    expected_losses, expected_params = _train_reference(lm_checkpoint)
+@pytest.mark.parametrize("freeze", [False, True], ids=["", "frozen-after-gpu-modules"])
+def test_tp2_dp2_equals_single_process(lm_checkpoint, freeze):
+    """DDP over gpu_modules() at tp=2 x dp=2 trains as one process on the global batch; also with the first block
+    frozen on the model after gpu_modules() and before DDP wraps it (DDP then waits for none of its gradients)."""
+    results = run_distributed(_train, 4, lm_checkpoint, 2, freeze, timeout=180)
+    expected_losses, expected_params = _train_reference(lm_checkpoint, freeze)
     for losses, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses))
         for name, value in expected_params.items():
