@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
+from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
 from oslo.parallel.context import SequenceSharding
 from oslo.parallel.mappings import gather_from_tensor_parallel, keep_sequence_shards, scatter_to_tensor_parallel
@@ -306,6 +307,22 @@ class DecoderBody(StagedBody):
             attentions=state.attentions,
             **({"cross_attentions": state.cross_attentions} if "cross_attentions" in self.per_layer_outputs else {}),
         )
+
+
+def pre_norm_block(block: torch.nn.Module, hidden_states: torch.Tensor, **attention_kwargs):
+    """A GPT-style block's call, ``h + attn(ln_1(h))`` then ``h + mlp(ln_2(h))``, returning ``(h, attn_weights)``.
+    The block adds each residual, as in transformers (hooks on ``block.attn`` and ``block.mlp`` see their outputs),
+    except where a fused module's bias + dropout + residual kernel pays (:func:`adds_residual`): the module is then
+    handed the residual and adds it in the kernel. The attention module has ``fused`` and ``resid_dropout``, the
+    MLP ``fused`` and ``dropout``."""
+    normed = block.ln_1(hidden_states)
+    fused = adds_residual(block.attn, normed, block.attn.resid_dropout)
+    attn_output, attn_weights = block.attn(normed, residual=hidden_states if fused else None, **attention_kwargs)
+    hidden_states = attn_output if fused else hidden_states + attn_output
+    normed = block.ln_2(hidden_states)
+    if adds_residual(block.mlp, normed, block.mlp.dropout):
+        return block.mlp(normed, residual=hidden_states), attn_weights
+    return hidden_states + block.mlp(normed), attn_weights
 
 
 class LearnedPositions:

@@ -38,7 +38,7 @@ from oslo.kernels import (
 )
 from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, DecoderBody, LearnedPositions
+from oslo.models.body import BodyState, DecoderBody, LearnedPositions, pre_norm_block
 from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
@@ -220,23 +220,8 @@ class GPT2Block(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The residual is added here, as in transformers (hooks on attn and mlp see their outputs), or by the module
-        # itself where its fused bias + dropout + residual kernel pays.
-        normed = self.ln_1(hidden_states)
-        fused = adds_residual(self.attn, normed, self.attn.resid_dropout)
-        attn_output, attn_weights = self.attn(
-            normed,
-            cache=cache,
-            attention_mask=attention_mask,
-            output_attentions=output_attentions,
-            residual=hidden_states if fused else None,
-            **kwargs,
-        )
-        hidden_states = attn_output if fused else hidden_states + attn_output
-        normed = self.ln_2(hidden_states)
-        if adds_residual(self.mlp, normed, self.mlp.dropout):
-            return self.mlp(normed, residual=hidden_states), attn_weights
-        return hidden_states + self.mlp(normed), attn_weights
+        return pre_norm_block(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                              output_attentions=output_attentions, **kwargs)
 
 
 class GPT2PreTrainedModel(OsloPreTrainedModel):

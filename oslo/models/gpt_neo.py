@@ -42,7 +42,7 @@ from oslo.kernels import (
 )
 from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import DecoderBody, LearnedPositions
+from oslo.models.body import DecoderBody, LearnedPositions, pre_norm_block
 from oslo.models.compat import LEGACY_CACHE_NAME, accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
@@ -234,6 +234,10 @@ class GPTNeoAttention(nn.Module):
     def fused(self) -> bool:
         return self.attention.fused
 
+    @property
+    def resid_dropout(self) -> nn.Dropout:
+        return self.attention.resid_dropout
+
     def forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, residual=None):
         return self.attention(hidden_states, cache, attention_mask, output_attentions, residual=residual)
 
@@ -293,22 +297,8 @@ class GPTNeoBlock(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The residual is added here, as in transformers (hooks on attn and mlp see their outputs), or by the module
-        # itself where its fused bias + dropout + residual kernel pays.
-        normed = self.ln_1(hidden_states)
-        fused = adds_residual(self.attn.attention, normed, self.attn.attention.resid_dropout)
-        attn_output, attn_weights = self.attn(
-            normed,
-            cache=cache,
-            attention_mask=attention_mask,
-            output_attentions=output_attentions,
-            residual=hidden_states if fused else None,
-        )
-        hidden_states = attn_output if fused else attn_output + hidden_states
-        normed = self.ln_2(hidden_states)
-        if adds_residual(self.mlp, normed, self.mlp.dropout):
-            return self.mlp(normed, residual=hidden_states), attn_weights
-        return hidden_states + self.mlp(normed), attn_weights
+        return pre_norm_block(self, hidden_states, cache=cache, attention_mask=attention_mask,
+                              output_attentions=output_attentions)
 
 
 class GPTNeoPreTrainedModel(OsloPreTrainedModel):

@@ -246,7 +246,7 @@ FUSED_ARCHS = ["gpt2", "gpt_neo", "bert"]  # the classes whose fuse() adds a row
 def _fused_residuals(record: list) -> None:
     """Make the fused models add bias + dropout + residual with oslo's op at every call (on CPU fuse() keeps torch's
     expression, which adds the bias inside the linear layer), recording each call's dropped positions."""
-    from oslo.models import bert, gpt2, gpt_neo
+    from oslo.models import bert, body, gpt2, gpt_neo
 
     original = gpt2.bias_dropout_add
 
@@ -258,7 +258,7 @@ def _fused_residuals(record: list) -> None:
     for module in (gpt2, gpt_neo, bert):
         module.bias_dropout_add = recorded
     bert.fused_bias_dropout_add_pays = lambda x, p, training: True
-    for module in (gpt2, gpt_neo):  # their blocks hand the residual to every fused attention and MLP
+    for module in (body, gpt2, gpt_neo):  # their blocks hand the residual to every fused attention and MLP
         module.adds_residual = lambda layer, x, dropout: layer.fused
 
 
