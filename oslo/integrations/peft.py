@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import inspect
 import os
 import warnings
 import weakref
@@ -1320,7 +1321,7 @@ def _install_trainable_tokens() -> None:
         indices = config.token_indices if config is not None else kwargs["token_indices"]
         init_weights = config.init_weights if config is not None else kwargs.get("init_weights", True)
         self.token_indices[adapter_name] = indices
-        stored = _stored(base.weight)
+        stored = _stored(base.weight).detach()  # the originals are a buffer: no autograd history
         mine, rows = _own_tokens(base, indices, stored.device)
         originals = stored.new_zeros((len(indices), stored.shape[1]))
         originals[mine] = stored[rows]
@@ -1719,6 +1720,11 @@ def _install_copies_and_saves() -> None:
         context = getattr(model, "parallel_context", None)
         if context is None or context.world_size == 1:
             return weighted(self, adapters, weights, adapter_name, *args, **kwargs)
+        check = getattr(self, "_check_add_weighted_adapter", None)
+        if check is not None:  # PEFT's own refusals (DoRA since PEFT 0.22), on every rank before any collective
+            bound = inspect.signature(weighted).bind(self, adapters, weights, adapter_name, *args, **kwargs)
+            bound.apply_defaults()
+            check(adapters, bound.arguments.get("combination_type", "svd"), bound.arguments.get("svd_rank"))
         dora = [name for name in adapters if getattr(self.peft_config.get(name), "use_dora", False)]
         if dora:
             raise NotImplementedError(
