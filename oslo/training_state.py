@@ -55,7 +55,7 @@ def _random_streams(context) -> dict[str, object]:
     """This rank's random streams under keys that say whose they are (DCP keeps one value per key): the replicated
     stream, the split one and torch's default generator."""
     place = f"pp{context.pipeline_parallel_rank}.tp{context.tensor_parallel_rank}.dp{context.data_parallel_rank}"
-    states = dict(context.rng._states)
+    states = context.rng.states()
     return {
         "replicated": states["replicated"],
         f"split.{place}": states["split"],
@@ -81,10 +81,10 @@ def random_streams_to_load(context, directory: str) -> dict[str, object]:
 
 def restore_random_streams(context, streams: dict[str, object]) -> None:
     """Set this rank's random streams to ``streams`` (as :func:`random_streams_to_load` gave them, filled)."""
-    context.rng._states["replicated"] = streams["replicated"]
+    context.rng.set_states({"replicated": streams["replicated"]})
     for key, value in streams.items():
         if key.startswith("split."):
-            context.rng._states["split"] = value
+            context.rng.set_states({"split": value})
         elif key.startswith("torch."):
             torch.set_rng_state(value)
 

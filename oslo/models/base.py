@@ -336,12 +336,14 @@ class OsloPreTrainedModel(PreTrainedModel):
                     forget_verified_inputs()
 
     @contextmanager
-    def _user_call(self, args: tuple, kwargs: dict) -> Iterator[bool]:
+    def _user_call(self, args: tuple, kwargs: dict, samples: bool = False) -> Iterator[bool]:
         """Around a call of the model (``__call__``, ``generate``): the outermost one first checks that
         every rank of the tensor/pipeline-parallel group got the same inputs (the first communication
         of the call; calls nested in it, such as the body's or generate()'s steps, are not checked),
-        and everything runs on the replicated stream, so replicated dropout and sampling stay in step
-        across tensor-parallel ranks whatever the user did with the global RNG.
+        and everything runs on the replicated stream, so replicated dropout and sampling (``samples``: a
+        ``generate()`` call that samples) stay in step across the ranks. A model without a seed of its own
+        draws them from torch's generator: the same check compares the generators of the ranks that draw alike,
+        and where they differ the first rank's state is given to the others.
 
         Token ids and positions outside the embeddings raise transformers' ``IndexError`` on every rank
         (a vocabulary-split embedding would embed them as zeros): the outermost call hands the verdict
@@ -362,7 +364,13 @@ class OsloPreTrainedModel(PreTrainedModel):
             error = embedding_index_error(self, args, kwargs, nested=not outermost)
             if outermost and context.tensor_parallel_size * context.pipeline_parallel_size > 1 \
                     and not torch.compiler.is_compiling():  # a traced call checked them in __call__
-                check_same_inputs(context, args, kwargs, error)
+                # Drawing from torch's generator (no seed of the model's own), the ranks that draw alike must hold
+                # the same state: every rank of the model to sample, each tensor-parallel group for dropout.
+                follows = context.rng.follows_default
+                dropout = follows and context.tensor_parallel_size > 1 and self.training \
+                    and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules())
+                draws_on = context.rng.device if (follows and samples) or dropout else None
+                check_same_inputs(context, args, kwargs, error, draws_on, "model" if samples else "tensor")
             elif error is not None:
                 raise error
             try:
@@ -410,9 +418,10 @@ class OsloPreTrainedModel(PreTrainedModel):
             return super().__call__(*args, **kwargs)
 
     def generate(self, *args, fused_no_repeat_ngram_blocking: bool | None = None, **kwargs):
-        """transformers' ``generate``; sampling draws from the replicated stream so every rank picks
-        the same tokens. The prompt and options must be the same on every rank of the model (checked
-        once per call, see :func:`~oslo.parallel.agreement.check_same_inputs`).
+        """transformers' ``generate``; sampling draws from the replicated stream (torch's generator unless the model
+        has a seed of its own, every rank given the first rank's state) so every rank picks the same tokens. The
+        prompt and options must be the same on every rank of the model (checked once per call, see
+        :func:`~oslo.parallel.agreement.check_same_inputs`).
 
         Args:
             fused_no_repeat_ngram_blocking: Apply ``no_repeat_ngram_size`` with oslo's n-gram blocking
@@ -440,7 +449,9 @@ class OsloPreTrainedModel(PreTrainedModel):
             kwargs.update(logits_processor=processors, no_repeat_ngram_size=0)  # 0: transformers' own is off
         # The prompt and options are checked once; the steps' inputs follow from them on every rank
         # alike (sampling draws from the replicated stream), so the steps are not checked again.
-        with self._user_call(args, kwargs):
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        samples = bool(kwargs.get("do_sample", generation_config.do_sample))
+        with self._user_call(args, kwargs, samples):
             return super().generate(*args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:

@@ -107,7 +107,8 @@ def _inputs(args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def check_same_inputs(
-    context: ParallelContext, args: tuple, kwargs: Mapping[str, Any], error: Exception | None = None
+    context: ParallelContext, args: tuple, kwargs: Mapping[str, Any], error: Exception | None = None,
+    draws_on: torch.device | None = None, draws_across: str = "tensor",
 ) -> None:
     """Raise :class:`InputMismatchError` on every rank of the model-parallel group unless all of them
     got the same ``args`` and ``kwargs`` (shapes, dtypes, values and options).
@@ -116,9 +117,16 @@ def check_same_inputs(
     rank has one, every rank raises it instead (this rank's own, or one of the same type naming the rank
     that found it), so that no rank goes on alone into a collective.
 
-    One all-gather of three int64 per rank when they agree (a digest of the structure, one of the
-    values, the error flag); a second, describing the inputs or the error, only when they do not. Call
-    it on every rank of the group before any other communication of the model.
+    ``draws_on``: the call draws from the default generator of this device (the model follows torch's
+    generator, see :mod:`oslo.parallel.random`), whose state must then be the same on the ranks that draw
+    alike: those of each tensor-parallel group (``draws_across="tensor"``: dropout on replicated activations) or
+    of the whole model-parallel group (``"model"``: sampling in ``generate()``). Where it is not (a script that
+    did not seed its processes alike: each starts from its own seed), the group's first rank's state is given
+    to the others (one broadcast), as a model with a seed of its own seeds its streams from rank 0's.
+
+    One all-gather of four int64 per rank when they agree (a digest of the structure, one of the
+    values, the error flag, one of the generator's state); a second, describing the inputs or the error,
+    only when they do not. Call it on every rank of the group before any other communication of the model.
     """
     group = context.model_parallel_group
     if group_size(group) == 1:
@@ -134,7 +142,9 @@ def check_same_inputs(
     weighted = [digest * (2 * i + 3) for i, digest in enumerate(digests) if digest is not None]
     values = torch.stack(weighted).sum() if weighted else torch.zeros((), dtype=torch.int64, device=context.device)
     header = torch.tensor([structure, int(error is not None)], dtype=torch.int64, device=context.device)
-    mine = torch.cat([header, values.reshape(1)])
+    generator = _content_hash(default_generator_state(draws_on)).to(context.device) if draws_on is not None \
+        else torch.zeros((), dtype=torch.int64, device=context.device)
+    mine = torch.cat([header, values.reshape(1), generator.reshape(1)])
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
     with naming_timeouts(context, "comparing the inputs of a model call across the model-parallel group",
                          "call the model on every rank of its tensor- and pipeline-parallel group", group):
@@ -143,7 +153,9 @@ def check_same_inputs(
     failed = [index for index, g in enumerate(gathered) if g[1]]
     if failed:
         _raise_on_every_rank(context, error, failed)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
+    if all(torch.equal(g[:3], gathered[0][:3]) for g in gathered):
+        if draws_on is not None:
+            _same_generators(context, [int(g[3]) for g in gathered], draws_on, draws_across)
         return
 
     # They differ: find out which input, on which ranks (every rank takes this path).
@@ -154,6 +166,37 @@ def check_same_inputs(
         dist.all_gather_object(described, per_input, group=group)
     values_only = all(g[0] == gathered[0][0] for g in gathered)  # same structure, shapes and dtypes
     raise InputMismatchError(_mismatch_message(context, described, values_only))
+
+
+def default_generator_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator of ``device`` (a CPU tensor)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _same_generators(context: ParallelContext, digests: list[int], device: torch.device, across: str) -> None:
+    """Where the digests of the default generators of ``device`` (one per rank of the model-parallel group, in its
+    order: stage by stage, tensor-parallel rank fastest) differ within a tensor-parallel group (``across="tensor"``)
+    or within the model-parallel group (``"model"``), give that group's first rank's state to its other ranks.
+    Every rank reads the same digests, so the ranks of a group all take part in its broadcast or none does."""
+    if across == "model":
+        if len(set(digests)) > 1:
+            _give_first_rank_s_state(context, context.model_parallel_group, device)
+        return
+    tp = context.tensor_parallel_size
+    first = context.pipeline_parallel_rank * tp
+    if len(set(digests[first:first + tp])) > 1:
+        _give_first_rank_s_state(context, context.tensor_parallel_group, device)
+
+
+def _give_first_rank_s_state(context: ParallelContext, group, device: torch.device) -> None:
+    state = default_generator_state(device).to(context.device)
+    with naming_timeouts(context, "giving the random generator's state to the ranks that draw alike", group=group):
+        dist.broadcast(state, src=dist.get_global_rank(group, 0), group=group)
+    state = state.cpu()
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 class _Described(str):
@@ -196,7 +239,7 @@ def _check_traced(model: torch.nn.Module, tensors: list[torch.Tensor], spec: str
         watch.begin_call()
     if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         device = tensors[0].device if tensors else model.parallel_context.device
-        named[_RNG_INPUT] = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+        named[_RNG_INPUT] = default_generator_state(device)
     check_same_inputs(model.parallel_context, (), named)
     return tensors
 

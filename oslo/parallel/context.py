@@ -223,8 +223,12 @@ class ParallelContext:
     Args:
         tensor_parallel_size: Number of ranks each layer is split across.
         pipeline_parallel_size: Number of pipeline stages.
-        seed: Seed of the model's random streams (dropout, sampling). ``None`` takes rank 0's
-            ``torch.initial_seed()`` so that ``torch.manual_seed`` keeps its usual meaning.
+        seed: Seed of the model's own random streams (dropout, sampling), which then do not depend on torch's
+            generator. ``None`` (default): dropout and sampling draw from torch's default generator of the
+            model's device, as transformers' models do, so ``torch.manual_seed`` and ``transformers.set_seed``
+            decide them (ranks that draw alike and hold different states take their first rank's: see
+            :mod:`oslo.parallel.random`); the model's other random choices start from rank 0's
+            ``torch.initial_seed()``.
         backend: ``torch.distributed`` backend to initialize with; default gloo on CPU, NCCL on CUDA.
         timeout: How long a collective of this model waits for the other ranks before it fails (a
             ``timedelta`` or seconds; default 10 minutes, gloo's own default is 30). Every process
@@ -326,10 +330,11 @@ class ParallelContext:
 
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
+        follows_default = seed is None  # dropout and sampling draw from torch's generator, as transformers'
         if seed is None:
             seed = self._broadcast_seed(torch.initial_seed() % (2**63))
         self.seed = seed
-        self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device)
+        self.rng = ParallelRNG(seed, self.tensor_parallel_rank, self.device, tp, follows_default)
         self.sequence = SequenceSharding(sequence_parallel and tp > 1)
 
     @property
@@ -449,7 +454,8 @@ class ParallelContext:
 
     def manual_seed(self, seed: int) -> None:
         """Reseed the model's random streams (dropout, sampling in ``generate()``), as ``torch.manual_seed`` reseeds
-        torch's: the streams start afresh from ``seed``, as a model built with ``seed=seed`` starts them. Call it
+        torch's: the streams start afresh from ``seed``, as a model built with ``seed=seed`` starts them (streams of
+        the model's own from then on, not torch's generator). Call it
         on every rank of the model with the same seed (the ranks of one tensor/pipeline-parallel group compare
         theirs and all raise ``ValueError`` if they differ: the replicated activations' dropout masks would part
         ways); data-parallel replicas may use different seeds."""

@@ -364,13 +364,15 @@ def test_autocast_around_the_micro_batch_loop(lm_checkpoint):
     run_distributed(_autocast_step, 2, lm_checkpoint)
 
 
-def _train_with_dropout(rank, world_size, path):
+def _train_with_dropout(rank, world_size, path, seed):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(
         path, tensor_parallel_size=2, pipeline_parallel_size=2, micro_batch_size=2,
-        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, seed=seed,
     ).train()
     optimizer = torch.optim.AdamW(model.gpu_parameters(), lr=1e-2)
-    torch.manual_seed(rank)  # ranks' global RNGs differ; the model's own streams decide the masks
+    # The ranks' global RNGs differ: with a seed the model's own streams decide the masks; without one torch's
+    # generator does, each tensor-parallel group taking its first rank's state.
+    torch.manual_seed(rank)
     for seed in range(3):
         optimizer.zero_grad()
         for micro_output in model(**_batch(seed=seed)):
@@ -380,10 +382,11 @@ def _train_with_dropout(rank, world_size, path):
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def test_copies_stay_identical_through_training(lm_checkpoint):
+@pytest.mark.parametrize("seed", [None, 3], ids=["torch-generator", "own-streams"])
+def test_copies_stay_identical_through_training(lm_checkpoint, seed):
     """Three AdamW steps with dropout at tp 2 x pp 2: replicated parameters stay bit-identical across
     tensor-parallel ranks, and the last stage's lm_head stays bit-identical to the first stage's wte."""
-    ranks = run_distributed(_train_with_dropout, 4, lm_checkpoint)
+    ranks = run_distributed(_train_with_dropout, 4, lm_checkpoint, seed)
     for stage in (0, 1):
         first, second = ranks[2 * stage], ranks[2 * stage + 1]
         for name in first:

@@ -261,7 +261,7 @@ def _trained_state(model, trained) -> dict[str, torch.Tensor]:
             for name, value in peft.get_peft_model_state_dict(trained).items()}
 
 
-def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
+def _checkpointed_run(rank, world_size, path, output_dir, tp, variant, seed=None):
     """The Trainer's default way of saving (a checkpoint every ``save_steps``, the optimizer's state with it) over two
     steps, then a fresh model resumed from the first checkpoint for the second step. Returns the trained state, the
     resumed one, and what the second checkpoint's files hold."""
@@ -273,9 +273,12 @@ def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
         _fresh_accelerate_state()
         if tp > 1:
             _accelerate_takes_cpu(Accelerator)
-        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp).train()
+        model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(path, tensor_parallel_size=tp, seed=seed).train()
         if resume is not None:  # as a new process would: the dropout streams stand elsewhere until resumed
-            model.parallel_context.manual_seed(999)
+            if seed is None:  # dropout draws from torch's generator (the Trainer's rng_state files restore it)
+                torch.manual_seed(999)
+            else:  # the model's own streams (oslo's optimizer state in the checkpoint restores them)
+                model.parallel_context.manual_seed(999)
         trained = model
         if variant.startswith("lora"):
             import peft
@@ -299,9 +302,10 @@ def _checkpointed_run(rank, world_size, path, output_dir, tp, variant):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp, variant", [(2, "model"), (2, "lora"), (1, "model"), (1, "lora")],
-                         ids=["tp2", "tp2-lora", "dp2-gpu_modules", "dp2-lora-gpu_modules"])
-def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp, variant):
+@pytest.mark.parametrize("tp, variant, seed", [(2, "model", None), (2, "model", 3), (2, "lora", None),
+                                               (1, "model", None), (1, "lora", None)],
+                         ids=["tp2", "tp2-own-streams", "tp2-lora", "dp2-gpu_modules", "dp2-lora-gpu_modules"])
+def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp, variant, seed):
     """transformers' Trainer checkpoints a model split over two processes as it checkpoints one of one process
     (``save_strategy="steps"``, the default; the optimizer's momentum and the dropout streams included): its
     checkpoints hold the plain transformers files (the whole model, or PEFT's adapter), and a run resumed from the
@@ -311,7 +315,7 @@ def test_trainer_checkpoints_resume_as_one_run(dropout_checkpoint, tmp_path, tp,
     if variant == "lora":
         pytest.importorskip("peft")
     for trained, resumed, saved in run_distributed(_checkpointed_run, 2, dropout_checkpoint, str(tmp_path), tp,
-                                                   variant, timeout=170):
+                                                   variant, seed, timeout=170):
         assert sorted(resumed) == sorted(trained)
         for name, value in trained.items():
             torch.testing.assert_close(resumed[name], value, msg=lambda m, n=name: f"resumed {n}: {m}")
