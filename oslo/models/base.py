@@ -31,6 +31,7 @@ from oslo.parallel import sequence, ties, traced
 from oslo.parallel.agreement import (
     agreed_inputs,
     check_same_inputs,
+    draws_dropout,
     embedding_index_error,
     forget_verified_inputs,
 )
@@ -367,8 +368,7 @@ class OsloPreTrainedModel(PreTrainedModel):
                 # Drawing from torch's generator (no seed of the model's own), the ranks that draw alike must hold
                 # the same state: every rank of the model to sample, each tensor-parallel group for dropout.
                 follows = context.rng.follows_default
-                dropout = follows and context.tensor_parallel_size > 1 and self.training \
-                    and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules())
+                dropout = follows and context.tensor_parallel_size > 1 and draws_dropout(self)
                 draws_on = context.rng.device if (follows and samples) or dropout else None
                 check_same_inputs(context, args, kwargs, error, draws_on, "model" if samples else "tensor")
             elif error is not None:

@@ -32,6 +32,7 @@ from oslo.parallel import failure, traced
 from oslo.parallel.collectives import group_size
 from oslo.parallel.context import ParallelContext
 from oslo.parallel.errors import naming_timeouts
+from oslo.parallel.random import generator_state, set_generator_state
 
 __all__ = [
     "InputMismatchError", "agree_on_nonfinite_gradients", "agreed_inputs", "check_same_inputs", "embedding_index_error",
@@ -142,7 +143,7 @@ def check_same_inputs(
     weighted = [digest * (2 * i + 3) for i, digest in enumerate(digests) if digest is not None]
     values = torch.stack(weighted).sum() if weighted else torch.zeros((), dtype=torch.int64, device=context.device)
     header = torch.tensor([structure, int(error is not None)], dtype=torch.int64, device=context.device)
-    generator = _content_hash(default_generator_state(draws_on)).to(context.device) if draws_on is not None \
+    generator = _content_hash(generator_state(draws_on)).to(context.device) if draws_on is not None \
         else torch.zeros((), dtype=torch.int64, device=context.device)
     mine = torch.cat([header, values.reshape(1), generator.reshape(1)])
     gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
@@ -168,9 +169,9 @@ def check_same_inputs(
     raise InputMismatchError(_mismatch_message(context, described, values_only))
 
 
-def default_generator_state(device: torch.device) -> torch.Tensor:
-    """The state of the default random generator of ``device`` (a CPU tensor)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+def draws_dropout(model: torch.nn.Module) -> bool:
+    """Whether a call of ``model`` draws dropout masks: in training mode, with a dropout of nonzero rate."""
+    return model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _same_generators(context: ParallelContext, digests: list[int], device: torch.device, across: str) -> None:
@@ -189,14 +190,10 @@ def _same_generators(context: ParallelContext, digests: list[int], device: torch
 
 
 def _give_first_rank_s_state(context: ParallelContext, group, device: torch.device) -> None:
-    state = default_generator_state(device).to(context.device)
+    state = generator_state(device).to(context.device)
     with naming_timeouts(context, "giving the random generator's state to the ranks that draw alike", group=group):
         dist.broadcast(state, src=dist.get_global_rank(group, 0), group=group)
-    state = state.cpu()
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+    set_generator_state(state.cpu(), device)
 
 
 class _Described(str):
@@ -237,9 +234,9 @@ def _check_traced(model: torch.nn.Module, tensors: list[torch.Tensor], spec: str
     watch = failure.call_watch(model.parallel_context)
     if watch is not None:  # refuses the call if an earlier one left the ranks out of step
         watch.begin_call()
-    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+    if draws_dropout(model):
         device = tensors[0].device if tensors else model.parallel_context.device
-        named[_RNG_INPUT] = default_generator_state(device)
+        named[_RNG_INPUT] = generator_state(device)
     check_same_inputs(model.parallel_context, (), named)
     return tensors
 

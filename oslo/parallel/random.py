@@ -35,13 +35,14 @@ T = TypeVar("T")
 _SPLIT_SEED_OFFSET = 2718
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
+def generator_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator of ``device`` (a CPU tensor)."""
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
 
 
-def _set_state(state: torch.Tensor, device: torch.device) -> None:
+def set_generator_state(state: torch.Tensor, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_rng_state(state, device)
     else:
@@ -132,7 +133,7 @@ class ParallelRNG:
         states = dict(self._states)
         holder = self._in_generator()
         if holder is not None:
-            states[holder] = _get_state(self.device)
+            states[holder] = generator_state(self.device)
         if "split" not in states:
             states["split"] = _seeded_state(self._seeds["split"], self.device)
         return states
@@ -144,7 +145,7 @@ class ParallelRNG:
             raise RuntimeError("the model's random streams cannot be set inside a forward pass")
         for stream, state in states.items():
             if self.follows_default and stream == "replicated":
-                _set_state(state, self.device)
+                set_generator_state(state, self.device)
             elif not self.follows_default:
                 self._states[self._name(stream)] = state
 
@@ -201,21 +202,21 @@ class ParallelRNG:
             self._states[stream] = self._split_state()
         outer_active, user_state = self._active, None
         if holder is None:
-            user_state = _get_state(self.device)
+            user_state = generator_state(self.device)
         else:
-            self._states[holder] = _get_state(self.device)
-        _set_state(self._states[stream], self.device)
+            self._states[holder] = generator_state(self.device)
+        set_generator_state(self._states[stream], self.device)
         self._active = stream
         try:
             yield
         finally:
-            self._states[stream] = _get_state(self.device)
+            self._states[stream] = generator_state(self.device)
             if holder is None:
-                _set_state(user_state, self.device)
+                set_generator_state(user_state, self.device)
             elif self.follows_default and holder == "replicated":  # back in the generator, kept nowhere else
-                _set_state(self._states.pop(holder), self.device)
+                set_generator_state(self._states.pop(holder), self.device)
             else:
-                _set_state(self._states[holder], self.device)
+                set_generator_state(self._states[holder], self.device)
             self._active = outer_active
 
     def replicated(self):
@@ -244,20 +245,20 @@ class ParallelRNG:
                 states = dict(self._states)
                 holder = self._in_generator()
                 if holder is not None:  # the stream the device's generator holds
-                    states[holder] = _get_state(self.device)
+                    states[holder] = generator_state(self.device)
                 snapshot = (states, self._active)
                 return function(*args, **kwargs)
             states, active = snapshot
-            saved, user_state = (self._states, self._active), _get_state(self.device)
+            saved, user_state = (self._states, self._active), generator_state(self.device)
             self._states, self._active = dict(states), None
             try:
                 if self.follows_default:  # the generator plays the replicated stream from where it stood
-                    _set_state(self._states.pop("replicated"), self.device)
+                    set_generator_state(self._states.pop("replicated"), self.device)
                     self._active = "replicated"
                 with self.fork(active) if active is not None else nullcontext():
                     return function(*args, **kwargs)
             finally:
-                _set_state(user_state, self.device)
+                set_generator_state(user_state, self.device)
                 self._states, self._active = saved
 
         return run
