@@ -15,7 +15,9 @@ itself exactly as under ``torchrun``. Two ways to use them:
 Ranks start with ``fork`` by default: ~0.1 s when this process has imported torch already, where ``spawn``
 takes seconds per rank. A forked rank hangs in gloo if this process ran torch ops with its default thread
 pool: keep one torch thread here (``OMP_NUM_THREADS=1``) or give ``start_method="spawn"`` /
-``"forkserver"``; CUDA also needs them when this process has used it already.
+``"forkserver"``; CUDA also needs them when this process has used it already. Where forked children could not
+run a backward (torch 2.14, after this process's first backward ran compiled: :func:`forked_ranks_can_run_autograd`)
+the ranks start with ``forkserver`` instead, with a warning.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection, wait
@@ -257,6 +260,54 @@ def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, po
         os._exit(code)
 
 
+_autograd_survives_fork: bool | None = None  # measured once torch is imported (see below)
+
+
+def prime_autograd_for_fork() -> None:
+    """Run one plain CPU backward in this process, so that a later compiled one cannot make forked children unable
+    to run autograd (see :func:`forked_ranks_can_run_autograd`). Free when a backward has run already."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    with contextlib.suppress(Exception), torch.inference_mode(False), torch.enable_grad():
+        torch.ones(1, requires_grad=True).sum().backward()
+
+
+def forked_ranks_can_run_autograd() -> bool:
+    """Whether a child forked from this process can run a backward.
+
+    Measured under torch 2.14: in a process whose *first* backward runs under ``FakeTensorMode`` (a
+    ``torch.compile``'d training step, ``torch.library.opcheck``), every later forked child's backward raises
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing"; after one plain CPU
+    backward first, it does not (torch 2.13: never). So this runs that plain backward (a no-op for the answer when
+    one ran already), then forks one child that tries a backward. Either answer stays true for the process's life
+    (autograd sets its threads up once): it is measured once, when torch is imported."""
+    global _autograd_survives_fork
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True  # the ranks import torch themselves: nothing inherited
+    if _autograd_survives_fork is None:
+        prime_autograd_for_fork()
+        pid = os.fork()
+        if pid == 0:  # the child: one backward, then out without any clean-up of the parent's state
+            code = 1
+            with contextlib.suppress(BaseException):
+                torch.ones(1, requires_grad=True).sum().backward()
+                code = 0
+            os._exit(code)
+        deadline = time.monotonic() + 30.0
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if not done:  # a child that hangs is no better than one that fails
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        _autograd_survives_fork = os.waitstatus_to_exitcode(status) == 0
+    return _autograd_survives_fork
+
+
 def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, start_method: str,
            threads: int | None, launcher_variables: bool, loopback: bool, die_with_parent: bool, name: str,
            duplex: bool, daemon: bool) -> tuple[list, list[Connection], Connection | None, _FaultLogs]:
@@ -264,6 +315,14 @@ def _start(target: Callable[..., int | None], world_size: int, args: tuple, *, s
     this side's connections, the lifeline's end this process keeps or ``None``, the ranks' fault logs)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if start_method == "fork" and not forked_ranks_can_run_autograd():
+        warnings.warn(
+            "oslo.launch: a process forked from this one cannot run a backward (this process's first backward ran "
+            "compiled, or under FakeTensorMode, and torch then refuses autograd in forked children): the ranks "
+            "start with 'forkserver' instead (slower; what they run must be picklable). Run one plain backward "
+            "before the first compiled one (oslo.launch.prime_autograd_for_fork()) to keep 'fork'.",
+            RuntimeWarning, stacklevel=3)
+        start_method = "forkserver"
     ctx = mp.get_context(start_method)
     environment = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     listener = None

@@ -38,6 +38,11 @@ import transformers  # noqa: E402
 from transformers.models.gpt2 import modeling_gpt2  # noqa: E402,F401
 
 import oslo  # noqa: E402
+import oslo.launch  # noqa: E402
+
+# torch 2.14: a worker whose first backward is a compiled one (tests/kernels/test_ops.py) could fork no rank
+# able to run autograd afterwards; one plain backward first keeps forked ranks working (oslo.launch).
+oslo.launch.prime_autograd_for_fork()
 
 for _name in oslo.__all__:  # oslo imports its names lazily: resolve them now, once, for the forked ranks
     getattr(oslo, _name)

@@ -275,3 +275,45 @@ def test_a_start_error_is_raised_as_its_own_type():
 
 def test_free_port_is_a_port():
     assert 0 < launch.free_port() < 65536
+
+
+_AFTER_A_COMPILED_BACKWARD = """
+import sys, warnings
+import torch
+from oslo import launch
+from tests.test_launch import _gradient_of_a_square
+
+if sys.argv[1] == "primed":
+    launch.prime_autograd_for_fork()
+step = torch.compile(lambda x: (x.sin() * 2).sum())
+x = torch.ones(3, requires_grad=True)
+step(x).backward()  # the process's first backward, unless primed
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    results = launch.run(_gradient_of_a_square, 2, timeout=60)
+print(results, launch.forked_ranks_can_run_autograd(),
+      any("forkserver" in str(warning.message) for warning in caught))
+"""
+
+
+def _gradient_of_a_square(rank, world_size):
+    x = torch.tensor([float(rank + 1)], requires_grad=True)
+    (x * x).sum().backward()
+    return x.grad.item()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("primed", [False, True])
+def test_ranks_run_a_backward_after_this_process_ran_a_compiled_one(primed):
+    """torch 2.14 refuses autograd in children forked from a process whose first backward was compiled: the
+    launcher then starts the ranks with forkserver (and warns) instead of handing them that error; a process
+    primed with one plain backward keeps fork. Under torch 2.13 fork works either way."""
+    done = subprocess.run([sys.executable, "-c", _AFTER_A_COMPILED_BACKWARD, "primed" if primed else "compiled"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=230,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results, fork_works, warned = done.stdout.strip().splitlines()[-1].rsplit(" ", 2)
+    assert results == "[2.0, 4.0]"
+    assert warned == str(fork_works == "False")  # a warning exactly when the ranks could not be forked
+    if primed:
+        assert fork_works == "True"
