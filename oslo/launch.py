@@ -280,8 +280,8 @@ def forked_ranks_can_run_autograd() -> bool:
     ``torch.compile``'d training step, ``torch.library.opcheck``), every later forked child's backward raises
     "Unable to handle autograd's threading in combination with fork-based multiprocessing"; after one plain CPU
     backward first, it does not (torch 2.13: never). So this runs that plain backward (a no-op for the answer when
-    one ran already), then forks one child that tries a backward. Either answer stays true for the process's life
-    (autograd sets its threads up once): it is measured once, when torch is imported."""
+    one ran already), then forks one child that tries a backward (~40 ms). Either answer stays true for the process's
+    life (autograd sets its threads up once), so it is measured once: the first time it is asked with torch imported."""
     global _autograd_survives_fork
     torch = sys.modules.get("torch")
     if torch is None:
