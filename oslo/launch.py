@@ -263,14 +263,20 @@ def _bootstrap(target: Callable[..., int | None], rank: int, world_size: int, po
 _autograd_survives_fork: bool | None = None  # measured once torch is imported (see below)
 
 
+def _one_plain_backward(torch) -> None:
+    """A CPU backward of one element, whatever grad mode the caller is in (``no_grad``, ``inference_mode``)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        torch.ones(1, requires_grad=True).sum().backward()
+
+
 def prime_autograd_for_fork() -> None:
     """Run one plain CPU backward in this process, so that a later compiled one cannot make forked children unable
     to run autograd (see :func:`forked_ranks_can_run_autograd`). Free when a backward has run already."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    with contextlib.suppress(Exception), torch.inference_mode(False), torch.enable_grad():
-        torch.ones(1, requires_grad=True).sum().backward()
+    with contextlib.suppress(Exception):
+        _one_plain_backward(torch)
 
 
 def forked_ranks_can_run_autograd() -> bool:
@@ -292,7 +298,7 @@ def forked_ranks_can_run_autograd() -> bool:
         if pid == 0:  # the child: one backward, then out without any clean-up of the parent's state
             code = 1
             with contextlib.suppress(BaseException):
-                torch.ones(1, requires_grad=True).sum().backward()
+                _one_plain_backward(torch)  # a launch from inside no_grad must not read as a refusal
                 code = 0
             os._exit(code)
         deadline = time.monotonic() + 30.0

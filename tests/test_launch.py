@@ -288,7 +288,7 @@ if sys.argv[1] == "primed":
 step = torch.compile(lambda x: (x.sin() * 2).sum())
 x = torch.ones(3, requires_grad=True)
 step(x).backward()  # the process's first backward, unless primed
-with warnings.catch_warnings(record=True) as caught:
+with warnings.catch_warnings(record=True) as caught, torch.no_grad():  # the launch's grad mode is not the ranks'
     warnings.simplefilter("always")
     results = launch.run(_gradient_of_a_square, 2, timeout=60)
 print(results, launch.forked_ranks_can_run_autograd(),
@@ -297,8 +297,9 @@ print(results, launch.forked_ranks_can_run_autograd(),
 
 
 def _gradient_of_a_square(rank, world_size):
-    x = torch.tensor([float(rank + 1)], requires_grad=True)
-    (x * x).sum().backward()
+    with torch.enable_grad():  # a forked rank starts in the launching thread's grad mode
+        x = torch.tensor([float(rank + 1)], requires_grad=True)
+        (x * x).sum().backward()
     return x.grad.item()
 
 
