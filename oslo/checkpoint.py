@@ -757,6 +757,14 @@ def _carry_over(target: str, staging: str) -> None:
             _link_or_copy(entry.path, destination)
 
 
+def _working_directory() -> str:
+    """The process's working directory, or ``""`` where it was deleted."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return ""
+
+
 def _write_json(path: str, value: dict) -> None:
     with open(path, "w") as f:
         json.dump(value, f, indent=2, sort_keys=True)
@@ -782,6 +790,9 @@ class StagedSave:
         self.context = context
         self.target = os.path.realpath(directory)
         self.parent, self.staging, self.aside = _save_paths(self.target)
+        # Read before any agreement: rank 0 publishes (and removes the previous checkpoint) as soon as the last
+        # write step agreed, while another rank may not have reached publish() yet.
+        self.cwd = _working_directory()
         self.step(self._prepare, "preparing to save to")
         _reached("prepare")
 
@@ -826,11 +837,8 @@ class StagedSave:
         return {key: value for part in parts for key, value in part.items()}
 
     def publish(self) -> None:
-        try:
-            cwd = os.getcwd()
-        except OSError:  # the working directory was deleted
-            cwd = ""
         self.step(self._publish, "publishing")
+        cwd = self.cwd
         if cwd == self.target or cwd.startswith(self.target + os.sep):
             os.chdir(cwd)  # the process was inside the previous checkpoint: move to the same path in the new one
 

@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -211,11 +212,28 @@ def _save_through_symlink_from_inside(rank, world_size, link):
     return os.listdir(".")
 
 
-def test_symlinked_target_and_working_directory_follow_the_new_checkpoint(old_checkpoints, references, tmp_path):
+def _save_from_inside_arriving_late(rank, world_size, link):
+    """As above, but rank 1 reaches publish() a second after rank 0, which has published and removed the
+    previous checkpoint (rank 1's working directory) by then."""
+    if rank == 1:
+        publish = ckpt.StagedSave.publish
+
+        def late(self):
+            time.sleep(1.0)
+            publish(self)
+
+        ckpt.StagedSave.publish = late
+    return _save_through_symlink_from_inside(rank, world_size, link)
+
+
+@pytest.mark.parametrize("arrival", ["together", "rank 1 late"])
+def test_symlinked_target_and_working_directory_follow_the_new_checkpoint(old_checkpoints, references, tmp_path,
+                                                                          arrival):
     real = tmp_path / "runs" / "ckpt"
     shutil.copytree(old_checkpoints / "merged", real)
     os.symlink(real, tmp_path / "latest")
-    listed = run_distributed(_save_through_symlink_from_inside, 2, str(tmp_path / "latest"), timeout=60)
+    fn = _save_through_symlink_from_inside if arrival == "together" else _save_from_inside_arriving_late
+    listed = run_distributed(fn, 2, str(tmp_path / "latest"), timeout=60)
     assert os.path.islink(tmp_path / "latest")
     assert ckpt.SPLIT_INDEX_NAME in listed[0] and ckpt.SPLIT_INDEX_NAME in listed[1]
     assert _which(run_distributed(_oslo_weights, 2, str(tmp_path / "latest"), timeout=60)[0], references) == "new"
