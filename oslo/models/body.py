@@ -31,16 +31,24 @@ writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
-from transformers.cache_utils import DynamicCache
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput
 
 from oslo.kernels.bias_dropout_add import adds_residual
-from oslo.models.compat import CACHE_FIELD, create_causal_mask, create_sliding_window_causal_mask
+from oslo.models.compat import (
+    CACHE_FIELD,
+    accepts_legacy_cache_name,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 from oslo.parallel.context import SequenceSharding
+from oslo.parallel.layers import VocabParallelEmbedding
 from oslo.parallel.mappings import gather_from_tensor_parallel, keep_sequence_shards, scatter_to_tensor_parallel
+from oslo.parallel.pipeline import StageLayers
 from oslo.parallel.sequence import splits_sequences
 
 __all__ = ["BodyState", "DecoderBody", "LearnedPositions", "StagedBody", "stand_in_embeds"]
@@ -325,10 +333,54 @@ def pre_norm_block(block: torch.nn.Module, hidden_states: torch.Tensor, **attent
     return hidden_states + block.mlp(normed), attn_weights
 
 
-class LearnedPositions:
-    """The embeddings of a decoder body with learned absolute positions (GPT2, GPT-Neo): ``wte`` of the tokens
-    (and of the token types, when given, through the same table), plus ``wpe`` of the positions, then
-    ``drop``."""
+class LearnedPositions(DecoderBody):
+    """The body of GPT2 and GPT-Neo: a decoder body with learned absolute positions. ``wte`` embeds the tokens (and
+    the token types, when given, through the same table), ``wpe`` the positions, then ``drop``; the layers are
+    ``h``, the final norm ``ln_f``. The two transformers classes take the same arguments in the same order, so
+    their ``forward`` is written once here."""
+
+    layers_attribute, norm_attribute = "h", "ln_f"
+    embeds_token_types = True  # through the token embedding, as transformers' GPT2 and GPT-Neo
+
+    def _build_body(self, config, dropout: float, block: Callable[[int], nn.Module]) -> None:
+        """The embeddings, ``config.num_hidden_layers`` layers (``block(i)``: layer ``i``) and the final norm."""
+        self.embed_dim = config.hidden_size
+        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=self.parallel_context)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        self.drop = nn.Dropout(float(dropout))
+        self.h = StageLayers.build(config.num_hidden_layers, block)
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
+        self.wte = new_embeddings
+
+    @accepts_legacy_cache_name
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> ModelOutput | tuple:
+        """As transformers' ``GPT2Model.forward`` and ``GPTNeoModel.forward`` (under pipeline parallelism: one pass
+        without gradients over every stage, whose output every stage returns)."""
+        return self.run(self.prepare(
+            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            return_dict=return_dict, **kwargs,
+        ))
 
     def embed_inputs(self, state: BodyState) -> dict[str, torch.Tensor]:
         inputs_embeds = state.inputs_embeds if state.inputs_embeds is not None else self.wte(state.input_ids)
@@ -336,4 +388,3 @@ class LearnedPositions:
         if state.token_type_ids is not None:
             hidden_states = hidden_states + self.wte(state.token_type_ids)
         return {"hidden_states": self.drop(hidden_states)}
-

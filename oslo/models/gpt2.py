@@ -21,9 +21,6 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPastAndCrossAttentions,
-)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import (
     GPT2DoubleHeadsModelOutput,
@@ -38,7 +35,7 @@ from oslo.kernels import (
 )
 from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import BodyState, DecoderBody, LearnedPositions, pre_norm_block
+from oslo.models.body import BodyState, LearnedPositions, pre_norm_block
 from oslo.models.compat import accepts_legacy_cache_name
 from oslo.models.heads import (
     CausalLMHead,
@@ -58,12 +55,10 @@ from oslo.parallel.context import ParallelContext
 from oslo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     VocabParallelLMHead,
 )
 from oslo.parallel.loss import LossSum, causal_lm_items, check_labels
 from oslo.parallel.mappings import gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers
 from oslo.parallel.sequence import added_bias, dropout_stream
 
 
@@ -258,54 +253,15 @@ class GPT2PreTrainedModel(OsloPreTrainedModel):
         return self.config.initializer_range
 
 
-class GPT2Model(LearnedPositions, DecoderBody, GPT2PreTrainedModel):
-    layers_attribute, norm_attribute = "h", "ln_f"
-    embeds_token_types = True  # through the token embedding, as transformers' GPT2
+class GPT2Model(LearnedPositions, GPT2PreTrainedModel):
     flattens_leading_dims = True
     # As transformers' GPT2Model: cross_attentions=() whenever attentions are asked for (no cross-attention here).
     per_layer_outputs = ("hidden_states", "attentions", "cross_attentions")
 
     def __init__(self, config: GPT2Config, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        context = self.parallel_context
-        self.embed_dim = config.hidden_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
-        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
-        self.drop = nn.Dropout(config.embd_pdrop)
-        self.h = StageLayers.build(config.num_hidden_layers, lambda i: GPT2Block(config, i, context))
-        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
+        self._build_body(config, config.embd_pdrop, lambda i: GPT2Block(config, i, self.parallel_context))
         self.post_init()
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.wte
-
-    def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
-        self.wte = new_embeddings
-
-    @accepts_legacy_cache_name
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """As transformers' ``GPT2Model.forward`` (under pipeline parallelism: one pass without
-        gradients over every stage, whose output every stage returns)."""
-        return self.run(self.prepare(
-            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
-            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-            return_dict=return_dict, **kwargs,
-        ))
 
     def layer_inputs(self, hidden_states: torch.Tensor, state: BodyState) -> dict:
         return {"position_ids": state.position_ids, **state.kwargs}

@@ -42,8 +42,8 @@ from oslo.kernels import (
 )
 from oslo.kernels.bias_dropout_add import adds_residual
 from oslo.models.base import OsloPreTrainedModel, check_split_sizes
-from oslo.models.body import DecoderBody, LearnedPositions, pre_norm_block
-from oslo.models.compat import LEGACY_CACHE_NAME, accepts_legacy_cache_name
+from oslo.models.body import LearnedPositions, pre_norm_block
+from oslo.models.compat import LEGACY_CACHE_NAME
 from oslo.models.heads import (
     CausalLMHead,
     QuestionAnsweringHead,
@@ -51,9 +51,8 @@ from oslo.models.heads import (
     TokenClassificationHead,
 )
 from oslo.parallel.context import ParallelContext
-from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from oslo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from oslo.parallel.mappings import enter_tensor_parallel, gather_from_tensor_parallel
-from oslo.parallel.pipeline import StageLayers
 from oslo.parallel.sequence import added_bias, dropout_stream
 
 ATTENTION_TYPES = ("global", "local")
@@ -324,54 +323,15 @@ class GPTNeoPreTrainedModel(OsloPreTrainedModel):
             )
 
 
-class GPTNeoModel(LearnedPositions, DecoderBody, GPTNeoPreTrainedModel):
+class GPTNeoModel(LearnedPositions, GPTNeoPreTrainedModel):
     output_class = BaseModelOutputWithPast
-    layers_attribute, norm_attribute = "h", "ln_f"
-    embeds_token_types = True  # through the token embedding, as transformers' GPT-Neo
     cache_only_with_use_cache = False  # transformers' GPT-Neo returns the cache it was given either way
     # (The layers' window is their own: every layer takes the padding + causal mask.)
 
     def __init__(self, config: GPTNeoConfig, parallel_context: ParallelContext | None = None) -> None:
         super().__init__(config, parallel_context)
-        context = self.parallel_context
-        self.embed_dim = config.hidden_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, self.embed_dim, parallel_context=context)
-        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
-        self.drop = nn.Dropout(float(config.embed_dropout))
-        self.h = StageLayers.build(config.num_layers, lambda i: GPTNeoBlock(config, i, context))
-        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
+        self._build_body(config, config.embed_dropout, lambda i: GPTNeoBlock(config, i, self.parallel_context))
         self.post_init()
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.wte
-
-    def set_input_embeddings(self, new_embeddings: VocabParallelEmbedding) -> None:
-        self.wte = new_embeddings
-
-    @accepts_legacy_cache_name
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPast | tuple:
-        """As transformers' ``GPTNeoModel.forward`` (under pipeline parallelism: one pass without
-        gradients over every stage, whose output every stage returns)."""
-        return self.run(self.prepare(
-            input_ids=input_ids, cache=cache, attention_mask=attention_mask,
-            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-            return_dict=return_dict, **kwargs,
-        ))
 
 
 class GPTNeoForCausalLM(CausalLMHead, GPTNeoPreTrainedModel, GenerationMixin):
