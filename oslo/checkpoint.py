@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from oslo.parallel.collectives import through_cpu
 from oslo.parallel.comm import gather_to_first, run_on_all_ranks
@@ -1165,17 +1167,41 @@ def save_merged(
 def whole_tensor(local: torch.Tensor, spec: ShardSpec | None, context: ParallelContext) -> torch.Tensor:
     """The whole tensor (transformers' shape, unpadded) of which ``local`` is this rank's part, on every rank of the
     tensor-parallel group (collective over it when the tensor is split: every rank calls it in the same order)."""
+    return _gathered(local, spec, context.tensor_parallel_group)
+
+
+def _gathered(local: torch.Tensor, spec: ShardSpec | None, group) -> torch.Tensor:
+    """:func:`whole_tensor` over ``group``, the tensor-parallel group of ``spec``'s ranks."""
     if spec is None:
         return local
-    if context.tensor_parallel_size == 1:
+    if spec.world_size == 1:
         return spec.merge([local])
-    group = context.tensor_parallel_group
     staged = through_cpu(local, group)
     source = (local.cpu() if staged else local).contiguous()
-    parts = [torch.empty_like(source) for _ in range(context.tensor_parallel_size)]
+    parts = [torch.empty_like(source) for _ in range(spec.world_size)]
     dist.all_gather(parts, source, group=group)
     whole = spec.merge(parts)
     return whole.to(local.device) if staged else whole
+
+
+def _whole_module_state_dict(module: nn.Module, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+    """``module.state_dict()`` of a module of one's own built from oslo's layers, every split parameter whole
+    (gathered over its layer's tensor-parallel group, in the state dict's order: every rank calls it)."""
+    split = {}  # a split parameter's every name -> (the parameter, its spec, its layer's group)
+    for layer_name, layer in module.named_modules(remove_duplicate=False):
+        for name, spec in getattr(layer, "parallel_specs", {}).items():
+            param = layer._parameters.get(name)
+            if spec is not None and param is not None:
+                split[f"{layer_name}.{name}" if layer_name else name] = (param, spec, layer.group)
+    state = nn.Module.state_dict(module, prefix=prefix, keep_vars=keep_vars)
+    for key in state:
+        if key.removeprefix(prefix) in split:
+            param, spec, group = split[key.removeprefix(prefix)]
+            state[key] = _gathered(param._oslo_storage if isinstance(param, DTensor) else param.detach(), spec, group)
+    if destination is None:
+        return state
+    destination.update(state)
+    return destination
 
 
 def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, torch.Tensor]:
@@ -1234,13 +1260,29 @@ def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
       writes), with or without ``is_main_process``.
 
     Outside the context both are as before (this rank's DTensors; ``save_pretrained`` asking for
-    ``is_main_process``)."""
+    ``is_main_process``).
+
+    ``model`` may also be a module of one's own built from :mod:`oslo.parallel`'s layers: inside the context its
+    ``state_dict()`` holds every split parameter whole (gathered over its layer's tensor-parallel group; every rank
+    calls it), under the module's own names."""
     if not hasattr(type(model), "save_pretrained_with_parallel"):
-        raise TypeError(
-            f"save_tensor_parallel takes an oslo model (what from_pretrained_with_parallel, "
-            f"from_config_with_parallel or oslo.initialize returned), got {type(model).__name__}: unwrap it first "
-            "(DDP's .module, PEFT's get_base_model())."
-        )
+        if not isinstance(model, nn.Module) or not any(hasattr(m, "parallel_specs") for m in model.modules()):
+            raise TypeError(
+                f"save_tensor_parallel takes an oslo model (what from_pretrained_with_parallel, "
+                f"from_config_with_parallel or oslo.initialize returned) or a module of your own built from "
+                f"oslo.parallel's layers, got {type(model).__name__}: unwrap it first (DDP's .module, PEFT's "
+                "get_base_model())."
+            )
+        previous = model.__dict__.get("state_dict")  # an instance attribute shadows the class's method
+        model.__dict__["state_dict"] = functools.partial(_whole_module_state_dict, model)
+        try:
+            yield model
+        finally:
+            if previous is None:
+                del model.__dict__["state_dict"]
+            else:
+                model.__dict__["state_dict"] = previous
+        return
     depth = model.__dict__.get("_oslo_saving_whole", 0)
     model.__dict__["_oslo_saving_whole"] = depth + 1
     try:

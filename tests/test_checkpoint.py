@@ -428,6 +428,83 @@ def test_save_tensor_parallel_saves_as_if_never_split(zoo_checkpoints, tmp_path,
     assert results == [expected] * (tp * pp)
 
 
+class _PlainBlocks(torch.nn.Module):
+    """The reference of :class:`_OwnBlocks`: transformers-style modules of one process, the same names."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(7, 8)
+        self.positions = torch.nn.Embedding(5, 8)
+        self.up = torch.nn.Linear(8, 12)
+        self.down = torch.nn.Linear(12, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+
+class _OwnBlocks(torch.nn.Module):
+    """A module of one's own built from oslo.parallel's layers (the manual's building blocks): every kind of split,
+    a vocabulary of 7 rows that 2 ranks hold padded, a replicated norm."""
+
+    def __init__(self, context):
+        super().__init__()
+        from oslo.parallel import (
+            ColumnParallelEmbedding,
+            ColumnParallelLinear,
+            RowParallelLinear,
+            VocabParallelEmbedding,
+        )
+
+        self.tokens = VocabParallelEmbedding(7, 8, parallel_context=context)
+        self.positions = ColumnParallelEmbedding(5, 8, parallel_context=context)
+        self.up = ColumnParallelLinear(8, 12, parallel_context=context)
+        self.down = RowParallelLinear(12, 8, parallel_context=context)
+        self.norm = torch.nn.LayerNorm(8)
+        self.register_buffer("steps", torch.tensor(3))
+
+
+def _own_module_saved_whole(rank, world_size, target):
+    from oslo.parallel import ParallelContext
+
+    torch.manual_seed(0)
+    reference = _PlainBlocks()
+    expected = {**reference.state_dict(), "steps": torch.tensor(3)}
+    model = _OwnBlocks(ParallelContext(tensor_parallel_size=world_size))
+    with torch.no_grad():  # each rank's slices of the reference's weights
+        for layer_name, layer in model.named_children():
+            for name, param in layer.named_parameters(recurse=False):
+                spec = getattr(layer, "parallel_specs", {}).get(name)
+                whole = expected[f"{layer_name}.{name}"]
+                param.copy_(whole if spec is None else spec.slice_of(whole))
+    local = model.state_dict()
+    with oslo.save_tensor_parallel(model):
+        whole = model.state_dict()
+        with oslo.save_tensor_parallel(model):  # nested: still whole
+            again = model.state_dict(prefix="blocks.")
+    assert sorted(whole) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(whole[key], value), key
+        assert torch.equal(again["blocks." + key], value), key
+    after = model.state_dict()  # outside the context: this rank's slices again
+    assert sorted(after) == sorted(local) and all(torch.equal(after[k], local[k]) for k in local)
+    if rank == 0:
+        torch.save(whole, target)
+        plain = _PlainBlocks()
+        plain.register_buffer("steps", torch.tensor(0))
+        plain.load_state_dict(torch.load(target, weights_only=True), strict=True)
+        assert all(torch.equal(plain.state_dict()[k], v) for k, v in expected.items())
+    with pytest.raises(TypeError, match="built from oslo.parallel's layers"):
+        with oslo.save_tensor_parallel(reference):
+            pass
+    return [key for key, value in local.items() if value.shape != expected[key].shape]
+
+
+def test_save_tensor_parallel_takes_a_module_of_one_s_own(tmp_path):
+    """The tensor_parallel manual's ``save_tensor_parallel`` on a module built from oslo.parallel's layers: its
+    ``state_dict()`` is the whole module's on every rank (split weights gathered, the vocabulary unpadded), nested
+    or not, and ``torch.save`` of it loads into the same module of one process; outside, the slices again."""
+    split = run_distributed(_own_module_saved_whole, 2, str(tmp_path / "whole.pt"), timeout=120)
+    assert split == [["tokens.weight", "positions.weight", "up.weight", "up.bias", "down.weight"]] * 2
+
+
 def _save_with_transformers_options(rank, world_size, source, target):
     model = oslo.GPT2LMHeadModel.from_pretrained_with_parallel(source, tensor_parallel_size=world_size)
     # accelerate's is_main_process and the hub options' defaults, as a transformers script passes them

@@ -408,7 +408,7 @@ class ColumnParallelEmbedding(_SharedOnCopy, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _, world, rank = _tensor_parallel(parallel_context, self)
+        self.group, world, rank = _tensor_parallel(parallel_context, self)  # no communication: saving gathers over it
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight_spec = ShardSpec(COLUMN, 1, embedding_dim, world, rank)
         self.parallel_specs = {"weight": self.weight_spec}
