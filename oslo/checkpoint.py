@@ -1186,22 +1186,19 @@ def _gathered(local: torch.Tensor, spec: ShardSpec | None, group) -> torch.Tenso
 
 def _whole_module_state_dict(module: nn.Module, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
     """``module.state_dict()`` of a module of one's own built from oslo's layers, every split parameter whole
-    (gathered over its layer's tensor-parallel group, in the state dict's order: every rank calls it)."""
+    (gathered over its layer's tensor-parallel group, in the modules' order: every rank calls it)."""
     split = {}  # a split parameter's every name -> (the parameter, its spec, its layer's group)
     for layer_name, layer in module.named_modules(remove_duplicate=False):
         for name, spec in getattr(layer, "parallel_specs", {}).items():
             param = layer._parameters.get(name)
             if spec is not None and param is not None:
                 split[f"{layer_name}.{name}" if layer_name else name] = (param, spec, layer.group)
-    state = nn.Module.state_dict(module, prefix=prefix, keep_vars=keep_vars)
-    for key in state:
-        if key.removeprefix(prefix) in split:
-            param, spec, group = split[key.removeprefix(prefix)]
-            state[key] = _gathered(param._oslo_storage if isinstance(param, DTensor) else param.detach(), spec, group)
-    if destination is None:
-        return state
-    destination.update(state)
-    return destination
+    state = nn.Module.state_dict(module, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    for name, (param, spec, group) in split.items():
+        if prefix + name in state:
+            local = param._oslo_storage if isinstance(param, DTensor) else param.detach()
+            state[prefix + name] = _gathered(local, spec, group)
+    return state
 
 
 def whole_state_dict(model: nn.Module, split: str | None = None) -> dict[str, torch.Tensor]:

@@ -477,8 +477,8 @@ def _own_module_saved_whole(rank, world_size, target):
     local = model.state_dict()
     with oslo.save_tensor_parallel(model):
         whole = model.state_dict()
-        with oslo.save_tensor_parallel(model):  # nested: still whole
-            again = model.state_dict(prefix="blocks.")
+        with oslo.save_tensor_parallel(model):  # nested, and inside a module of one process: still whole
+            again = torch.nn.ModuleDict({"blocks": model}).state_dict()
     assert sorted(whole) == sorted(expected)
     for key, value in expected.items():
         assert torch.equal(whole[key], value), key
