@@ -25,7 +25,9 @@ the whole model, its layers in a ``StageLayers``, and each stage keeps its part 
 
 The decoder-only bodies (GPT2, GPT-Neo, the Llama family) share their steps: :class:`DecoderBody` writes
 ``prepare``, ``run_layers`` and ``finish`` once, and a model file declares where its layers and final norm live,
-writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_inputs`). BERT and T5 write their own.
+writes ``embed_inputs`` and says what its layers take (:meth:`DecoderBody.layer_inputs`); GPT2 and GPT-Neo, whose
+transformers classes take the same arguments, share all of that in :class:`LearnedPositions`. BERT and T5 write
+their own.
 """
 
 from __future__ import annotations
